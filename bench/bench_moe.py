@@ -1,0 +1,346 @@
+"""Full WNA16 MoE layer (both GEMMs) on the GPU: the plugin's backends vs vLLM's own paths vs bf16 dense.
+
+One process, one run, every provider side by side on the same tensors. Every
+provider is checked against the float reference before it is timed (a wrong
+kernel is never timed). Timing: a CUDA graph of R back-to-back layer calls over
+R rotating weight copies (so the weights are not L2-resident, as in decode),
+replayed `--reps` times; the median (and p20/p80) per call is reported.
+
+    python bench/bench_moe.py --out bench/results/h200 [--shapes qwen3-30b-a3b,...] [--m 1,2,4]
+
+Writes <out>/<date>-<commit>.md and .csv and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vllm_wna16_plugin import packing  # noqa: E402
+from vllm_wna16_plugin.backends import KernelTensors, registry  # noqa: E402
+from vllm_wna16_plugin.ops import make_problem  # noqa: E402
+from vllm_wna16_plugin.reference import fused_moe_ref  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    E: int
+    top_k: int
+    H: int
+    I: int  # noqa: E741
+    gs: int  # -1 channel-wise
+
+
+SHAPES = [
+    Shape("qwen3-30b-a3b", 128, 8, 2048, 768, 128),
+    Shape("qwen3.5-35b-a3b", 256, 8, 2048, 512, 32),
+    Shape("mixtral-8x7b", 8, 2, 4096, 14336, 128),
+    Shape("deepseek-v2-lite", 64, 6, 2048, 1408, 128),
+    Shape("ct-channelwise", 128, 8, 2816, 704, -1),
+    Shape("k1344-gs32", 8, 2, 1344, 1024, 32),
+]
+M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+
+
+def make_weights(s: Shape, bits: int, gen: torch.Generator):
+    w13 = torch.randn(s.E, 2 * s.I, s.H, generator=gen, device="cuda") / s.H**0.5
+    w2 = torch.randn(s.E, s.H, s.I, generator=gen, device="cuda") / s.I**0.5
+    q13 = packing.quantize_rtn(w13, bits, s.gs, False)
+    q2 = packing.quantize_rtn(w2, bits, s.gs, False)
+    return q13, q2
+
+
+def weight_bytes_per_expert(s: Shape, bits: int, dense: bool) -> float:
+    n = 3 * s.H * s.I
+    if dense:
+        return n * 2.0
+    g13 = 1 if s.gs == -1 else s.H // s.gs
+    g2 = 1 if s.gs == -1 else s.I // s.gs
+    return n * bits / 8 + (2 * s.I * g13 + s.H * g2) * 2
+
+
+def measure_copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the byte floor's denominator)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    return 2 * (1 << 30) / statistics.median(times)
+
+
+def time_graph(fn_list, reps: int) -> tuple[float, float, float]:
+    """Median/p20/p80 µs per call of a graph that calls every fn in fn_list once."""
+    for fn in fn_list:  # warm up / compile outside capture
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fn_list:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fn_list:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / len(fn_list))
+    times.sort()
+    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return statistics.median(times), q(0.2), q(0.8)
+
+
+class VllmPaths:
+    """vLLM 0.26's in-tree paths, driven through its public fused_experts (forced per path for the bench)."""
+
+    def __init__(self):
+        import vllm.model_executor.layers.fused_moe.fused_moe as fm
+        from vllm.model_executor.layers.fused_moe import fused_experts
+        from vllm.model_executor.layers.fused_moe.config import (
+            int4_w4a16_moe_quant_config,
+        )
+
+        self.fm, self.fused_experts, self.qc = fm, fused_experts, int4_w4a16_moe_quant_config
+        self.orig = fm.should_moe_wna16_use_cuda
+
+    def int4(self, path: str, x, w, topk_weights, topk_ids, gs):
+        forced = {"vllm-triton": False, "vllm-cuda": True}[path]
+        orig = self.orig
+        self.fm.should_moe_wna16_use_cuda = lambda *a, **kw: forced and orig(*a, **kw)
+        try:
+            qc = self.qc(w1_scale=w.scales13, w2_scale=w.scales2, w1_zp=None, w2_zp=None, block_shape=[0, gs])
+            return self.fused_experts(x, w.q13, w.q2, topk_weights, topk_ids, quant_config=qc)
+        finally:
+            self.fm.should_moe_wna16_use_cuda = orig
+
+    def dense(self, x, w13, w2, topk_weights, topk_ids):
+        return self.fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+
+@dataclass
+class Weights:
+    q13: torch.Tensor
+    q2: torch.Tensor
+    scales13: torch.Tensor
+    scales2: torch.Tensor
+    dense13: torch.Tensor | None = None
+    dense2: torch.Tensor | None = None
+
+
+class NotApplicable(Exception):
+    """A provider that does not take this shape (its oracle says why): shown as n/a, not as a crash."""
+
+
+def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
+    """(backend, problem, prepared state) of a plugin provider; vllm-marlin is our delegation to vLLM's Marlin."""
+    name = "marlin" if prov == "vllm-marlin" else prov.removeprefix("plugin-")
+    use_td = None
+    if name.startswith("triton"):
+        use_td, name = name.endswith("-td"), "triton"
+    problem = make_problem(x, w.q13, w.q2, w.scales13, w.scales2, topk_ids, bits=4, group_size=gs,
+                           has_zero_point=False)  # fmt: skip
+    if use_td is not None:
+        problem.extra["use_td"] = use_td
+    backend = registry()[name]
+    reason = backend.incompatibility_reason(problem)
+    if reason:
+        raise NotApplicable(f"{name} rejects: {reason}")
+    state = backend.prepare(problem, KernelTensors(w.q13, w.q2, w.scales13, w.scales2))
+    return backend, problem, state
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+    except Exception:  # noqa: BLE001
+        return os.environ.get("BENCH_COMMIT", "unknown")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    ap.add_argument("--m", default=",".join(map(str, M_VALUES)))
+    ap.add_argument(
+        "--providers",
+        default="plugin-triton,plugin-triton-td,plugin-vllm_cuda,vllm-triton,vllm-cuda,vllm-marlin,bf16-dense",
+    )
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "h200"))
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_name()
+    bw = measure_copy_bandwidth()
+    shapes = [s for s in SHAPES if s.name in args.shapes.split(",")]
+    ms = [int(v) for v in args.m.split(",")]
+    providers = args.providers.split(",")
+    vllm = VllmPaths()
+    import triton
+    import vllm as vllm_pkg
+
+    header = (
+        f"# WNA16 MoE layer benchmark\n\n{datetime.date.today()} · {dev} · torch {torch.__version__} · "
+        f"triton {triton.__version__} · vLLM {vllm_pkg.__version__} · commit {git_commit()}{args.tag}\n\n"
+        f"Measured device copy bandwidth: {bw / 1e12:.2f} TB/s (read+write). CUDA-graph replay of R calls over "
+        f"R rotating weight copies (L2-cold), median of {args.reps} replays, µs per layer call. "
+        f"'%bw' = weight bytes of the experts hit / time / copy bandwidth. int4, bf16 activations.\n"
+    )
+    print(header, flush=True)
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for s in shapes:
+        q13, q2 = make_weights(s, 4, gen)
+        kw13, kw2 = packing.to_kernel_layout(q13, torch.bfloat16), packing.to_kernel_layout(q2, torch.bfloat16)
+        # The reference sees the bf16-rounded scales the kernels see.
+        q13.scales, q2.scales = kw13.scales.float(), kw2.scales.float()
+        d13, d2 = packing.dequantize(q13), packing.dequantize(q2)
+        del q13, q2
+        per_copy_int4 = s.E * weight_bytes_per_expert(s, 4, False)
+        per_copy_bf16 = s.E * weight_bytes_per_expert(s, 4, True)
+        copies = {}
+
+        def get_copies(kind: str, n: int):
+            key = (kind, n)
+            if key not in copies:
+                if kind == "int4":
+                    base = Weights(kw13.qweight, kw2.qweight, kw13.scales, kw2.scales)
+                else:
+                    base = Weights(None, None, None, None, d13.to(torch.bfloat16), d2.to(torch.bfloat16))
+                out = [base]
+                for _ in range(n - 1):
+                    out.append(Weights(*[None if t is None else t.clone() for t in base.__dict__.values()]))
+                copies[key] = out
+            return copies[key]
+
+        for m in ms:
+            xc = torch.randn(m, s.H, generator=gen, device="cuda").to(torch.bfloat16)
+            logits = torch.randn(m, s.E, generator=gen, device="cuda")
+            twc, tic = torch.topk(logits.softmax(-1), s.top_k, dim=-1)
+            tic = tic.to(torch.int32)
+            hit = len(torch.unique(tic))
+            ref = fused_moe_ref(xc, d13, d2, twc, tic).float()
+            results = {}
+            for prov in providers:
+                dense = prov == "bf16-dense"
+                touched = hit * weight_bytes_per_expert(s, 4, dense)
+                per_copy = per_copy_bf16 if dense else per_copy_int4
+                n_copies = max(1, min(8, math.ceil(150e6 / touched), int(20e9 // per_copy)))
+                ws = get_copies("bf16" if dense else "int4", n_copies)
+
+                prepared = {}
+
+                def call(w, prov=prov, prepared=prepared):
+                    if prov.startswith("plugin-") or prov == "vllm-marlin":
+                        # Backends prepare once (Marlin repacks): only `run` is timed, as in serving.
+                        if id(w) not in prepared:
+                            prepared[id(w)] = plugin_backend(prov, xc, w, tic, s.gs)
+                        backend, problem, state = prepared[id(w)]
+                        return backend.run(problem, state, xc, twc, tic)
+                    if dense:
+                        return vllm.dense(xc, w.dense13, w.dense2, twc, tic)
+                    return vllm.int4(prov, xc, w, twc, tic, s.gs)
+
+                try:
+                    if prov.startswith("vllm-") and prov != "vllm-marlin" and s.gs == -1:
+                        raise NotApplicable("vLLM's int4 paths take one group size for both GEMMs")
+                    out = call(ws[0]).float()
+                    err = ((out - ref).norm() / ref.norm()).item()
+                    if not (err < 2e-2):
+                        results[prov] = ("WRONG", f"rel err {err:.3g}")
+                        continue
+                    med, p20, p80 = time_graph([lambda w=w: call(w) for w in ws], args.reps)
+                    results[prov] = (med, p20, p80, touched / (med * 1e-6) / bw)
+                except NotApplicable as exc:
+                    results[prov] = ("n/a", str(exc))
+                except Exception as exc:  # noqa: BLE001 - a crash is a result (vLLM's gs32 bug)
+                    msg = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
+                    results[prov] = ("crash", msg)
+                    torch.cuda.synchronize()
+            for prov, r in results.items():
+                rows.append((s.name, m, prov, r))
+            line = " | ".join(
+                f"{p}={r[0]:.1f}" if isinstance(r[0], float) else f"{p}={r[0]}" for p, r in results.items()
+            )
+            print(f"{s.name} M={m}: {line}", flush=True)
+        copies.clear()
+        torch.cuda.empty_cache()
+
+    table = render(rows, providers)
+    stamp = f"{datetime.date.today()}-{git_commit()}{args.tag}"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stamp}.md").write_text(header + "\n" + table)
+    with open(out / f"{stamp}.csv", "w", newline="") as f:
+        wr = csv.writer(f)
+        wr.writerow(["shape", "M", "provider", "median_us", "p20_us", "p80_us", "frac_copy_bw", "note"])
+        for shape, m, prov, r in rows:
+            if isinstance(r[0], float):
+                wr.writerow([shape, m, prov, f"{r[0]:.2f}", f"{r[1]:.2f}", f"{r[2]:.2f}", f"{r[3]:.4f}", ""])
+            else:
+                wr.writerow([shape, m, prov, "", "", "", "", f"{r[0]}: {r[1]}"])
+    print(table)
+    return 0
+
+
+def render(rows, providers) -> str:
+    """Markdown: one row per (shape, M), µs per provider, and the plugin's best vs each peer."""
+    by = {}
+    for shape, m, prov, r in rows:
+        by.setdefault((shape, m), {})[prov] = r
+    ours = [p for p in providers if p.startswith("plugin-")]
+    peers = [p for p in providers if not p.startswith("plugin-")]
+    head = ["shape", "M", *providers, "best plugin", "%bw (best)", *[f"× vs {p}" for p in peers]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (shape, m), res in by.items():
+        cells = [shape, str(m)]
+        for p in providers:
+            r = res.get(p)
+            cells.append("-" if r is None else (f"{r[0]:.1f}" if isinstance(r[0], float) else str(r[0])))
+        timed = {p: res[p] for p in ours if p in res and isinstance(res[p][0], float)}
+        if timed:
+            best = min(timed, key=lambda p: timed[p][0])
+            cells += [best.removeprefix("plugin-"), f"{100 * timed[best][3]:.0f}%"]
+            for p in peers:
+                r = res.get(p)
+                cells.append(f"{r[0] / timed[best][0]:.2f}" if r and isinstance(r[0], float) else "-")
+        else:
+            cells += ["-", "-"] + ["-"] * len(peers)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

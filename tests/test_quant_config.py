@@ -1,0 +1,65 @@
+"""moe_wna16_plus claims a checkpoint only when asked, and errors clearly when asked for a bad one."""
+
+from __future__ import annotations
+
+import pytest
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
+
+
+@pytest.fixture(scope="module")
+def config_cls():
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    import vllm_wna16_plugin
+
+    vllm_wna16_plugin.register()
+    return get_quantization_config("moe_wna16_plus")
+
+
+@pytest.mark.parametrize("user_quant", [None, "gptq", "gptq_marlin", "moe_wna16", "awq"])
+def test_never_claims_a_checkpoint_the_user_did_not_ask_for(config_cls, user_quant):
+    assert config_cls.override_quantization_method(GPTQ, user_quant) is None
+
+
+def test_claims_when_asked(config_cls):
+    assert config_cls.override_quantization_method(GPTQ, "moe_wna16_plus") == "moe_wna16_plus"
+
+
+def test_asked_for_a_malformed_config_raises_at_config_time(config_cls):
+    with pytest.raises(ValueError, match=r"bits=3"):
+        config_cls.override_quantization_method(GPTQ | {"bits": 3}, "moe_wna16_plus")
+
+
+def test_from_config_keeps_channelwise_none(config_cls):
+    ct = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "input_activations": None,
+                "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None},
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    cfg = config_cls.from_config(ct)
+    assert cfg.parsed.scheme.group_size == -1
+    assert cfg.get_name() == "moe_wna16_plus"
+
+
+def test_vllm_model_config_picks_moe_wna16_plus_only_when_asked(tmp_path):
+    """vLLM's own ModelConfig: asked -> moe_wna16_plus; not asked -> the checkpoint's in-tree method."""
+    import vllm_wna16_plugin
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    vllm_wna16_plugin.register()
+    path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, hidden=128, intermediate=64,
+                           experts=4, top_k=2, layers=1)  # fmt: skip
+    from vllm.config import ModelConfig
+
+    asked = ModelConfig(model=str(path), quantization="moe_wna16_plus", tokenizer=str(path))
+    assert asked.quantization == "moe_wna16_plus"
+    plain = ModelConfig(model=str(path), tokenizer=str(path))
+    assert plain.quantization != "moe_wna16_plus"

@@ -1,0 +1,19 @@
+"""MoE backends, one thin adapter each; `registry()` lists them in `auto`'s order of preference."""
+
+from __future__ import annotations
+
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
+
+
+def registry() -> dict[str, Backend]:
+    """Every backend by its plugin name, in the order `auto` tries them."""
+    from vllm_wna16_plugin.backends.marlin import MarlinBackend
+    from vllm_wna16_plugin.backends.reference import ReferenceBackend
+    from vllm_wna16_plugin.backends.triton import TritonBackend
+    from vllm_wna16_plugin.backends.vllm_cuda import VllmCudaBackend
+
+    backends = [TritonBackend(), MarlinBackend(), VllmCudaBackend(), ReferenceBackend()]
+    return {b.name: b for b in backends}
+
+
+__all__ = ["Backend", "KernelTensors", "MoEProblem", "registry"]

@@ -1,0 +1,61 @@
+"""`triton`: the plugin's own Triton fused-MoE WNA16 kernel (pointer path + tensor-descriptor path)."""
+
+from __future__ import annotations
+
+import os
+
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
+
+TRITON_ACTIVATIONS = ("silu", "gelu")
+
+
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    description = "plugin Triton kernel (int4/int8, any group size, TD path on sm90+/XPU)"
+
+    def incompatibility_reason(self, problem: MoEProblem) -> str | None:
+        if problem.platform not in ("cuda", "xpu", "rocm") and not _interpreter_on():
+            return f"needs a CUDA/ROCm/XPU GPU (platform is {problem.platform}; CPU only under TRITON_INTERPRET=1)"
+        if problem.platform == "cuda" and problem.sm is not None and problem.sm < 70:
+            return f"needs sm70+, device is sm{problem.sm}"
+        if problem.has_g_idx:
+            return "act order (desc_act with a non-trivial g_idx) is not supported by the kernel layout"
+        if problem.activation not in TRITON_ACTIVATIONS:
+            return f"activation {problem.activation!r} is not one of {list(TRITON_ACTIVATIONS)}"
+        if problem.extra.get("plan_only"):  # doctor: judge the device described, not this machine
+            return None
+        try:
+            import triton  # noqa: F401
+
+            from vllm_wna16_plugin.kernels.triton.fused_moe import fused_moe_wna16_triton  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - report, never raise
+            return f"the Triton kernel cannot be imported ({type(exc).__name__}: {exc})"
+        return None
+
+    def run(self, problem: MoEProblem, state: KernelTensors, x, topk_weights, topk_ids, *, expert_map=None):
+        from vllm_wna16_plugin import _vllm
+        from vllm_wna16_plugin.kernels.triton.fused_moe import fused_moe_wna16_triton
+
+        align_fn = _vllm.moe_align_block_size_fn() if x.is_cuda else None
+        return fused_moe_wna16_triton(
+            x,
+            state.w13_qweight,
+            state.w2_qweight,
+            state.w13_scales,
+            state.w2_scales,
+            topk_weights,
+            topk_ids,
+            bits=problem.scheme.bits,
+            w13_qzeros=state.w13_qzeros,
+            w2_qzeros=state.w2_qzeros,
+            activation=problem.activation,
+            apply_router_weight_on_input=problem.apply_router_weight_on_input,
+            expert_map=expert_map,
+            global_num_experts=problem.global_num_experts,
+            use_td=problem.extra.get("use_td"),
+            align_fn=align_fn,
+        )

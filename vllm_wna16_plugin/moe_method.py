@@ -1,0 +1,246 @@
+"""The FusedMoE method of `moe_wna16_plus`: create_weights, loading, backend choice, apply.
+
+Parameters are registered under the checkpoint format's own names (so vLLM's
+expert mapping finds them) but already in the plugin's kernel layout: each
+checkpoint tensor is converted as it is loaded (weight_loading.py). After
+loading, every expected tensor is checked present, act order is dropped when
+g_idx is trivial, and the chosen backend prepares its state once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_wna16_plugin import _vllm
+from vllm_wna16_plugin.backends import KernelTensors, MoEProblem
+from vllm_wna16_plugin.checkpoint_config import effective_group_size
+from vllm_wna16_plugin.oracle import resolve_request, select_backend
+from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
+from vllm_wna16_plugin.weight_loading import CHECKPOINT_NAMES, MoEShapes, convert_checkpoint_tensor
+
+logger = _vllm.init_logger(__name__)
+_LOGGED: set[str] = set()
+
+
+def kernel_param_shapes(scheme: WNA16Scheme, shapes: MoEShapes, num_experts: int) -> dict[str, tuple]:
+    """(gemm, kind) -> (shape, dtype) of the kernel-layout parameters of one layer on this rank."""
+    e, h, i = num_experts, shapes.hidden, shapes.intermediate_local
+    b = scheme.bits
+    g13 = h // shapes.group_size_w13
+    g2 = (
+        shapes.intermediate // scheme.group_size
+        if scheme.desc_act and not scheme.is_channelwise
+        else i // shapes.group_size_w2
+    )
+    out = {
+        ("w13", "qweight"): ((e, 2 * i, h * b // 8), torch.uint8),
+        ("w2", "qweight"): ((e, h, i * b // 8), torch.uint8),
+        ("w13", "scales"): ((e, 2 * i, g13), None),
+        ("w2", "scales"): ((e, h, g2), None),
+    }
+    if scheme.has_zero_point:
+        out[("w13", "qzeros")] = ((e, 2 * i * b // 8, g13), torch.uint8)
+        out[("w2", "qzeros")] = ((e, h * b // 8, g2), torch.uint8)
+    elif scheme.pack_format in (PackFormat.GPTQ, PackFormat.AWQ):
+        # Symmetric GPTQ/AWQ files still carry qzeros: a placeholder the loader skips.
+        out[("w13", "qzeros")] = ((e, 0), torch.int32)
+        out[("w2", "qzeros")] = ((e, 0), torch.int32)
+    if scheme.desc_act or scheme.pack_format is PackFormat.GPTQ:
+        out[("w13", "g_idx")] = ((e, h), torch.int32)
+        out[("w2", "g_idx")] = ((e, i), torch.int32)
+    if scheme.pack_format is PackFormat.CT_PACKED:
+        out[("w13", "shape")] = ((e, 2), torch.int64)
+        out[("w2", "shape")] = ((e, 2), torch.int64)
+    return out
+
+
+def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
+    base = _vllm.fused_moe_method_base()
+
+    class MoeWNA16PlusMethod(base):
+        """Owns one routed-experts layer of a WNA16 checkpoint."""
+
+        def __init__(self) -> None:
+            super().__init__(moe_config)
+            self.scheme = scheme
+            self.prefix = prefix
+            self.selection = None
+            self.problem: MoEProblem | None = None
+            self.state = None
+
+        # ---------------------------------------------------------------- weights
+
+        def create_weights(
+            self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra
+        ):
+            tp_rank, tp_size = _vllm.layer_tp(layer)
+            intermediate = intermediate_size_per_partition * tp_size
+            shapes = MoEShapes(
+                hidden=hidden_size,
+                intermediate=intermediate,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                group_size_w13=effective_group_size(scheme, hidden_size, layer=f"{prefix} (gate/up, K=hidden)"),
+                group_size_w2=effective_group_size(
+                    scheme,
+                    intermediate_size_per_partition,
+                    layer=f"{prefix} (down, K=intermediate)",
+                    tp_size=tp_size,
+                    full_size_k=intermediate,
+                ),
+            )
+            if scheme.desc_act and shapes.group_size_w2 != scheme.group_size_for(intermediate_size_per_partition):
+                raise ValueError(
+                    f"{prefix}: act order (desc_act) with group_size={scheme.group_size} cannot be re-grouped for "
+                    f"TP={tp_size} (intermediate per rank {intermediate_size_per_partition})"
+                )
+            self.shapes = shapes
+            self.params_dtype = params_dtype
+            self.num_local_experts = num_experts
+            self.loaded: set[tuple[str, int, str]] = set()
+            names = CHECKPOINT_NAMES[scheme.pack_format]
+            self.param_names: dict[tuple[str, str], str] = {}
+            for (gemm, kind), (shape, dtype) in kernel_param_shapes(scheme, shapes, num_experts).items():
+                name = f"{gemm}_{names[kind]}"
+                fill = torch.zeros if kind != "qweight" else torch.empty
+                param = torch.nn.Parameter(fill(shape, dtype=dtype or params_dtype), requires_grad=False)
+                layer.register_parameter(name, param)
+                _vllm.set_weight_attrs(param, {"weight_loader": self._make_loader(layer, kind, name)})
+                self.param_names[(gemm, kind)] = name
+            # Fail before gigabytes are read: an explicit backend that cannot work errors now.
+            self.problem = self._make_problem(layer, has_g_idx=scheme.desc_act)
+            self._select(layer)
+
+        def _ckpt_name(self, layer, expert_id: int, shard_id: str, kind: str) -> str:
+            """The checkpoint's name of one tensor, for messages (global expert id)."""
+            proj = {"w1": layer.ckpt_gate_proj_name, "w3": layer.ckpt_up_proj_name, "w2": layer.ckpt_down_proj_name}
+            return f"{layer.layer_name}.{expert_id}.{proj.get(shard_id, shard_id)}.{CHECKPOINT_NAMES[self.scheme.pack_format][kind]}"
+
+        def _make_loader(self, layer, kind: str, param_name: str):
+            scheme, method = self.scheme, self
+
+            def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+                local = _vllm.layer_local_expert_id(layer, int(expert_id))
+                if local < 0:
+                    return False if return_success else None
+                if kind == "qzeros" and not scheme.has_zero_point:
+                    return True if return_success else None
+                name = method._ckpt_name(layer, int(expert_id), shard_id, kind)
+                piece, rows = convert_checkpoint_tensor(
+                    scheme, method.shapes, kind, shard_id, loaded_weight, name, method.params_dtype
+                )
+                if kind == "shape":
+                    param.data[local] = piece.to(param.device)
+                else:
+                    dst = param.data[local][rows]
+                    if tuple(dst.shape) != tuple(piece.shape):
+                        raise ValueError(
+                            f"{name}: converted shard has shape {tuple(piece.shape)}, "
+                            f"the layer expects {tuple(dst.shape)}"
+                        )
+                    dst.copy_(piece.to(dst.device))
+                method.loaded.add((param_name, local, shard_id))
+                return True if return_success else None
+
+            return weight_loader
+
+        def _missing(self, layer) -> list[str]:
+            required = ["qweight", "scales"] + (["qzeros"] if self.scheme.has_zero_point else [])
+            if self.scheme.desc_act:
+                required.append("g_idx")
+            missing = []
+            for e in range(self.num_local_experts):
+                for shard in ("w1", "w3", "w2"):
+                    gemm = "w2" if shard == "w2" else "w13"
+                    for kind in required:
+                        if (self.param_names[(gemm, kind)], e, shard) not in self.loaded:
+                            missing.append(self._ckpt_name(layer, e, shard, kind))
+            return missing
+
+        def process_weights_after_loading(self, layer) -> None:
+            missing = self._missing(layer)
+            if missing:
+                more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+                raise ValueError(
+                    f"moe_wna16_plus: the checkpoint is missing {len(missing)} tensor(s) of {layer.layer_name}: "
+                    f"{', '.join(missing[:5])}{more} (local expert index; is the checkpoint complete?)"
+                )
+            get = lambda gemm, kind: (
+                getattr(layer, self.param_names[(gemm, kind)]) if (gemm, kind) in self.param_names else None
+            )  # noqa: E731
+            g13, g2 = get("w13", "g_idx"), get("w2", "g_idx")
+            has_g_idx = False
+            if self.scheme.desc_act:
+                has_g_idx = not (self._trivial_g_idx(g13, self.shapes.group_size_w13) and self._trivial_g_idx(g2, None))
+                if not has_g_idx:
+                    logger.info("moe_wna16_plus: %s: desc_act g_idx is trivial; running without act order", self.prefix)
+            self.tensors = KernelTensors(
+                w13_qweight=get("w13", "qweight").data,
+                w2_qweight=get("w2", "qweight").data,
+                w13_scales=get("w13", "scales").data,
+                w2_scales=get("w2", "scales").data,
+                w13_qzeros=get("w13", "qzeros").data if self.scheme.has_zero_point else None,
+                w2_qzeros=get("w2", "qzeros").data if self.scheme.has_zero_point else None,
+                w13_g_idx=g13.data if has_g_idx else None,
+                w2_g_idx=g2.data if has_g_idx else None,
+            )
+            if has_g_idx != self.problem.has_g_idx:
+                self.problem = self._make_problem(layer, has_g_idx=has_g_idx)
+                self._select(layer)
+            self.state = self.selection.backend.prepare(self.problem, self.tensors)
+
+        def _trivial_g_idx(self, g_idx, group_size) -> bool:
+            if g_idx is None:
+                return True
+            gs = group_size or self.scheme.group_size
+            k = g_idx.shape[-1]
+            offset = 0 if group_size else self.shapes.tp_rank * k
+            expected = (torch.arange(k, device=g_idx.device, dtype=torch.int32) + offset) // gs
+            return bool((g_idx == expected).all())
+
+        # ---------------------------------------------------------------- backend
+
+        def _make_problem(self, layer, *, has_g_idx: bool) -> MoEProblem:
+            platform, sm = _vllm.platform_summary()
+            return MoEProblem(
+                scheme=self.scheme,
+                hidden=self.shapes.hidden,
+                intermediate=self.shapes.intermediate_local,
+                num_experts=self.num_local_experts,
+                global_num_experts=int(layer.global_num_experts),
+                top_k=int(layer.top_k),
+                group_size_w13=self.shapes.group_size_w13,
+                group_size_w2=self.shapes.group_size_w2,
+                act_dtype=self.params_dtype,
+                activation=_vllm.layer_activation(layer),
+                platform=platform,
+                sm=sm,
+                has_g_idx=has_g_idx,
+                use_ep=layer.expert_map is not None,
+                apply_router_weight_on_input=bool(layer.apply_router_weight_on_input),
+            )
+
+        def _select(self, layer) -> None:
+            requested, source = resolve_request(_vllm.layer_moe_backend(layer))
+            self.selection = select_backend(self.problem, requested, source)
+            key = f"{self.problem.describe()}|{requested}|{self.selection.backend.name}"
+            if key not in _LOGGED:
+                _LOGGED.add(key)
+                logger.info("%s\n  (first layer of this type: %s)", self.selection.explain(), self.prefix)
+
+        def get_fused_moe_quant_config(self, layer):
+            return _vllm.fused_moe_quant_config(
+                self.scheme.bits,
+                getattr(layer, self.param_names[("w13", "scales")]),
+                getattr(layer, self.param_names[("w2", "scales")]),
+                None,
+                None,
+                self.shapes.group_size_w13,
+            )
+
+        def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+            return self.selection.backend.run(
+                self.problem, self.state, x, topk_weights, topk_ids, expert_map=layer.expert_map
+            )
+
+    return MoeWNA16PlusMethod()

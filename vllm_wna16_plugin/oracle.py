@@ -1,0 +1,98 @@
+"""Backend selection that explains itself.
+
+`auto` walks the registry in order and takes the first backend whose
+`incompatibility_reason` is None; the choice and every rejection are logged
+once per layer type. An explicit choice that cannot work raises at load time
+with the reason and the backends that would. The user's choice comes from
+`VLLM_WNA16_PLUS_BACKEND` (plugin names) or else vLLM's `--moe-backend`
+(`auto`, `triton`, `marlin`, `emulation`); other `--moe-backend` names are an error.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from vllm_wna16_plugin.backends import Backend, MoEProblem, registry
+
+ENV_BACKEND = "VLLM_WNA16_PLUS_BACKEND"
+# vLLM's --moe-backend names that mean something for this plugin's layers.
+VLLM_BACKEND_NAMES = {"auto": "auto", "triton": "triton", "marlin": "marlin", "emulation": "reference"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    backend: str
+    reason: str | None  # None: compatible
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+@dataclass(frozen=True)
+class Selection:
+    backend: Backend
+    requested: str  # plugin name or "auto"
+    source: str  # where the request came from, for messages
+    verdicts: tuple[Verdict, ...]
+
+    def explain(self) -> str:
+        lines = [f"moe_wna16_plus: using backend '{self.backend.name}' ({self.source}: {self.requested})"]
+        for v in self.verdicts:
+            mark = "ok" if v.ok else f"rejected: {v.reason}"
+            lines.append(f"  - {v.backend}: {mark}")
+        return "\n".join(lines)
+
+
+def resolve_request(moe_backend: str | None, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """(plugin backend name or 'auto', source) from the env var, else vLLM's --moe-backend."""
+    env = os.environ if env is None else env
+    names = list(registry())
+    plugin_choice = env.get(ENV_BACKEND, "").strip().lower()
+    if plugin_choice and plugin_choice != "auto":
+        if plugin_choice not in names:
+            raise ValueError(f"{ENV_BACKEND}={plugin_choice!r} is not a backend; supported: {['auto'] + names}")
+        return plugin_choice, ENV_BACKEND
+    choice = (moe_backend or "auto").strip().lower().replace("-", "_")
+    if choice not in VLLM_BACKEND_NAMES:
+        raise ValueError(
+            f"--moe-backend={choice!r} is not supported by quantization=moe_wna16_plus; "
+            f"supported: {list(VLLM_BACKEND_NAMES)} (or set {ENV_BACKEND} to one of {names})"
+        )
+    return VLLM_BACKEND_NAMES[choice], "--moe-backend"
+
+
+def collect_verdicts(problem: MoEProblem) -> tuple[Verdict, ...]:
+    out = []
+    for name, backend in registry().items():
+        try:
+            reason = backend.incompatibility_reason(problem)
+        except Exception as exc:  # noqa: BLE001 - a check must never abort selection
+            reason = f"check failed: {type(exc).__name__}: {exc}"
+        out.append(Verdict(name, reason))
+    return tuple(out)
+
+
+def select_backend(problem: MoEProblem, requested: str = "auto", source: str = "auto") -> Selection:
+    """The backend to run `problem` with; raises ValueError if an explicit request cannot work."""
+    backends = registry()
+    verdicts = collect_verdicts(problem)
+    by_name = {v.backend: v for v in verdicts}
+    working = [v.backend for v in verdicts if v.ok]
+    if requested != "auto":
+        if requested not in backends:
+            raise ValueError(f"backend {requested!r} is unknown; supported: {['auto'] + list(backends)}")
+        verdict = by_name[requested]
+        if not verdict.ok:
+            raise ValueError(
+                f"moe_wna16_plus: backend '{requested}' ({source}) cannot run {problem.describe()}: "
+                f"{verdict.reason}. Backends that would work: {working or 'none'}"
+            )
+        return Selection(backends[requested], requested, source, verdicts)
+    if not working:
+        raise ValueError(
+            f"moe_wna16_plus: no backend can run {problem.describe()}: "
+            + "; ".join(f"{v.backend}: {v.reason}" for v in verdicts)
+        )
+    return Selection(backends[working[0]], "auto", source, verdicts)

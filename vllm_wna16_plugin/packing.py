@@ -1,0 +1,266 @@
+"""Bit layouts of every WNA16 format, in plain torch (no vLLM, no kernels).
+
+The logical form of a quantized weight is `QuantizedWeight`: unsigned integers
+q in [0, 2**bits) of shape (..., N, K), float scales (..., N, G) and unsigned zero
+points (..., N, G) (None when symmetric: the zero is 2**(bits-1)), so that
+
+    w[n, k] = (q[n, k] - zero[n, k // group]) * scale[n, k // group].
+
+Each on-disk format and the plugin's kernel layout are lossless views of it:
+
+    format              weights                         zero points
+    kernel (moe_wna16)  uint8 (..., N, K*bits/8), along K  uint8 (..., N*bits/8, G), along N
+    GPTQ                int32 (..., K/pf, N), along K      int32 (..., G, N/pf), stored zero-1 (v1)
+    AWQ                 int32 (..., K, N/pf), along N, AWQ order [0,2,4,6,1,3,5,7]
+    compressed-tensors  int32 (..., N, K/pf), along K      int32 (..., N/pf, G), along N
+
+Sub-byte values are little-endian: element i of a word sits at bits [i*b, (i+1)*b)
+(so in the kernel layout even k is the low nibble). GPTQ and AWQ scales are
+stored (G, N), the others (N, G). This module is used at load time, by the
+reference and by the checkpoint maker; kernels never call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# AWQ's GEMM kernels store the 8 nibbles of a word in this order of output columns.
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+@dataclass
+class QuantizedWeight:
+    """Unsigned integer weights with their per-group scales and zero points."""
+
+    q: torch.Tensor  # (..., N, K) int32, values in [0, 2**bits)
+    scales: torch.Tensor  # (..., N, G) float
+    zeros: torch.Tensor | None  # (..., N, G) int32, or None when symmetric
+    bits: int
+    group_size: int  # positive; channel-wise is group_size == K
+
+    def zeros_or_midpoint(self) -> torch.Tensor:
+        if self.zeros is not None:
+            return self.zeros
+        return torch.full(self.scales.shape, 1 << (self.bits - 1), dtype=torch.int32, device=self.q.device)
+
+
+# ---------------------------------------------------------------- generic packers
+
+
+def pack_along(values: torch.Tensor, bits: int, dim: int, word_bits: int, order=None) -> torch.Tensor:
+    """Pack unsigned `bits`-wide values along `dim` into `word_bits`-wide words.
+
+    Returns int32 for word_bits == 32 and uint8 for word_bits == 8. `order[i]` is
+    the source position within a word's group of values stored at slot i
+    (AWQ's interleave); None is the natural order.
+    """
+    pf = word_bits // bits
+    dim = dim % values.dim()
+    size = values.shape[dim]
+    if size % pf:
+        raise ValueError(f"cannot pack {size} values of {bits} bits into {word_bits}-bit words")
+    v = values.to(torch.int64).movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], size // pf, pf)
+    if order is not None:
+        v = v[..., list(order)]
+    shifts = torch.arange(pf, device=v.device, dtype=torch.int64) * bits
+    word = (v << shifts).sum(-1)
+    if word_bits == 32:
+        word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+    else:
+        word = word.to(torch.uint8)
+    return word.movedim(-1, dim).contiguous()
+
+
+def unpack_along(words: torch.Tensor, bits: int, dim: int, word_bits: int, order=None) -> torch.Tensor:
+    """Inverse of `pack_along`: int32 values in [0, 2**bits), `dim` grown by the pack factor."""
+    pf = word_bits // bits
+    dim = dim % words.dim()
+    w = words.to(torch.int64)
+    if word_bits == 32:
+        w = w & 0xFFFFFFFF
+    w = w.movedim(dim, -1)
+    shifts = torch.arange(pf, device=w.device, dtype=torch.int64) * bits
+    v = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    if order is not None:
+        inverse = [0] * pf
+        for slot, src in enumerate(order):
+            inverse[src] = slot
+        v = v[..., inverse]
+    v = v.reshape(*v.shape[:-2], w.shape[-1] * pf)
+    return v.to(torch.int32).movedim(-1, dim).contiguous()
+
+
+# ---------------------------------------------------------------- quantization
+
+
+def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, has_zero_point: bool) -> QuantizedWeight:
+    """Round-to-nearest quantization of float weights (..., N, K); group_size -1 = channel-wise."""
+    *lead, n, k = w.shape
+    gs = k if group_size == -1 else group_size
+    if k % gs:
+        raise ValueError(f"group_size={gs} does not divide K={k}")
+    g = w.to(torch.float32).reshape(*lead, n, k // gs, gs)
+    qmax = (1 << bits) - 1
+    if has_zero_point:
+        lo = g.amin(-1).clamp(max=0.0)
+        hi = g.amax(-1).clamp(min=0.0)
+        scales = ((hi - lo) / qmax).clamp(min=1e-8)
+        zeros = torch.round(-lo / scales).clamp(0, qmax)
+        q = torch.round(g / scales.unsqueeze(-1) + zeros.unsqueeze(-1)).clamp(0, qmax)
+        zeros = zeros.to(torch.int32)
+    else:
+        mid = 1 << (bits - 1)
+        scales = (g.abs().amax(-1) / (mid - 1)).clamp(min=1e-8)
+        q = torch.round(g / scales.unsqueeze(-1) + mid).clamp(0, qmax)
+        zeros = None
+    return QuantizedWeight(
+        q=q.reshape(*lead, n, k).to(torch.int32), scales=scales, zeros=zeros, bits=bits, group_size=gs
+    )
+
+
+def dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    """float32 (..., N, K) weights of a QuantizedWeight."""
+    z = qw.zeros_or_midpoint()
+    s = qw.scales.to(torch.float32)
+    zk = z.repeat_interleave(qw.group_size, dim=-1)
+    sk = s.repeat_interleave(qw.group_size, dim=-1)
+    return (qw.q.to(torch.float32) - zk.to(torch.float32)) * sk
+
+
+# ---------------------------------------------------------------- kernel layout
+
+
+@dataclass
+class KernelWeights:
+    """The plugin's one kernel layout (the layout of vLLM's in-tree moe_wna16)."""
+
+    qweight: torch.Tensor  # (E, N, K*bits/8) uint8, packed along K, even k low nibble
+    scales: torch.Tensor  # (E, N, G) compute dtype
+    qzeros: torch.Tensor | None  # (E, N*bits/8, G) uint8, packed along N; None when symmetric
+
+
+def to_kernel_layout(qw: QuantizedWeight, dtype: torch.dtype | None = None) -> KernelWeights:
+    qweight = pack_along(qw.q, qw.bits, dim=-1, word_bits=8)
+    qzeros = None
+    if qw.zeros is not None:
+        qzeros = pack_along(qw.zeros, qw.bits, dim=-2, word_bits=8)
+    scales = qw.scales if dtype is None else qw.scales.to(dtype)
+    return KernelWeights(qweight=qweight, scales=scales.contiguous(), qzeros=qzeros)
+
+
+def from_kernel_layout(kw: KernelWeights, bits: int) -> QuantizedWeight:
+    q = unpack_along(kw.qweight, bits, dim=-1, word_bits=8)
+    k = q.shape[-1]
+    zeros = None if kw.qzeros is None else unpack_along(kw.qzeros, bits, dim=-2, word_bits=8)
+    return QuantizedWeight(q=q, scales=kw.scales, zeros=zeros, bits=bits, group_size=k // kw.scales.shape[-1])
+
+
+# ---------------------------------------------------------------- GPTQ
+
+
+def pack_gptq(qw: QuantizedWeight, zero_point_offset: int = 1) -> dict[str, torch.Tensor]:
+    """GPTQ tensors of (..., N, K) weights: qweight, qzeros, scales (..., G, N).
+
+    zero_point_offset=1 is the v1 convention (stored zero = true zero - 1), the
+    format AutoGPTQ/GPTQModel write by default; 0 is gptq_v2.
+    """
+    zeros = qw.zeros_or_midpoint() - zero_point_offset
+    zeros = zeros & ((1 << qw.bits) - 1)  # v1 stores zero 0 as 2**bits - 1 (wraps)
+    return {
+        "qweight": pack_along(qw.q.transpose(-1, -2), qw.bits, dim=-2, word_bits=32),
+        "qzeros": pack_along(zeros.transpose(-1, -2), qw.bits, dim=-1, word_bits=32),
+        "scales": qw.scales.transpose(-1, -2).contiguous(),
+    }
+
+
+def unpack_gptq(
+    qweight: torch.Tensor,  # (..., K/pf, N) int32
+    qzeros: torch.Tensor | None,  # (..., G, N/pf) int32
+    scales: torch.Tensor,  # (..., G, N)
+    bits: int,
+    zero_point_offset: int,
+    has_zero_point: bool,
+) -> QuantizedWeight:
+    q = unpack_along(qweight, bits, dim=-2, word_bits=32).transpose(-1, -2)
+    k = q.shape[-1]
+    zeros = None
+    if has_zero_point:
+        if qzeros is None:
+            raise ValueError("asymmetric GPTQ checkpoint has no qzeros")
+        z = unpack_along(qzeros, bits, dim=-1, word_bits=32).transpose(-1, -2)
+        zeros = ((z + zero_point_offset) & ((1 << bits) - 1)).contiguous()
+    s = scales.transpose(-1, -2).contiguous()
+    return QuantizedWeight(q=q.contiguous(), scales=s, zeros=zeros, bits=bits, group_size=k // s.shape[-1])
+
+
+# ---------------------------------------------------------------- AWQ
+
+
+def pack_awq(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """AWQ GEMM tensors of (..., N, K) weights: qweight (..., K, N/8), qzeros (..., G, N/8), scales (..., G, N)."""
+    return {
+        "qweight": pack_along(qw.q.transpose(-1, -2), qw.bits, dim=-1, word_bits=32, order=AWQ_PACK_ORDER),
+        "qzeros": pack_along(
+            qw.zeros_or_midpoint().transpose(-1, -2), qw.bits, dim=-1, word_bits=32, order=AWQ_PACK_ORDER
+        ),
+        "scales": qw.scales.transpose(-1, -2).contiguous(),
+    }
+
+
+def unpack_awq(
+    qweight: torch.Tensor,  # (..., K, N/8) int32
+    qzeros: torch.Tensor | None,  # (..., G, N/8) int32
+    scales: torch.Tensor,  # (..., G, N)
+    bits: int,
+    has_zero_point: bool,
+) -> QuantizedWeight:
+    q = unpack_along(qweight, bits, dim=-1, word_bits=32, order=AWQ_PACK_ORDER).transpose(-1, -2)
+    k = q.shape[-1]
+    zeros = None
+    if has_zero_point:
+        if qzeros is None:
+            raise ValueError("AWQ checkpoint with zero_point=true has no qzeros")
+        zeros = unpack_along(qzeros, bits, dim=-1, word_bits=32, order=AWQ_PACK_ORDER).transpose(-1, -2)
+        zeros = zeros.contiguous()
+    s = scales.transpose(-1, -2).contiguous()
+    return QuantizedWeight(q=q.contiguous(), scales=s, zeros=zeros, bits=bits, group_size=k // s.shape[-1])
+
+
+# ---------------------------------------------------------------- compressed-tensors
+
+
+def pack_compressed_tensors(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """compressed-tensors pack-quantized tensors: weight_packed (..., N, K/pf), weight_scale (..., N, G),
+    weight_zero_point (..., N/pf, G) when asymmetric, weight_shape [N, K].
+
+    The library stores signed values offset by 2**(bits-1); that offset is the
+    unsigned value here, so the words are the same bits.
+    """
+    out = {
+        "weight_packed": pack_along(qw.q, qw.bits, dim=-1, word_bits=32),
+        "weight_scale": qw.scales.contiguous(),
+        "weight_shape": torch.tensor(list(qw.q.shape[-2:]), dtype=torch.int64),
+    }
+    if qw.zeros is not None:
+        out["weight_zero_point"] = pack_along(qw.zeros, qw.bits, dim=-2, word_bits=32)
+    return out
+
+
+def unpack_compressed_tensors(
+    weight_packed: torch.Tensor,  # (..., N, K/pf) int32
+    weight_scale: torch.Tensor,  # (..., N, G)
+    weight_zero_point: torch.Tensor | None,  # (..., N/pf, G) int32
+    bits: int,
+    has_zero_point: bool,
+) -> QuantizedWeight:
+    q = unpack_along(weight_packed, bits, dim=-1, word_bits=32)
+    k = q.shape[-1]
+    zeros = None
+    if has_zero_point:
+        if weight_zero_point is None:
+            raise ValueError("asymmetric compressed-tensors checkpoint has no weight_zero_point")
+        zeros = unpack_along(weight_zero_point, bits, dim=-2, word_bits=32)
+    return QuantizedWeight(q=q, scales=weight_scale, zeros=zeros, bits=bits, group_size=k // weight_scale.shape[-1])

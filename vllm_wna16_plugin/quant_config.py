@@ -1,0 +1,97 @@
+"""`moe_wna16_plus`: the vLLM QuantizationConfig of the plugin.
+
+It claims a checkpoint only when the user asked for `moe_wna16_plus`, owns every
+routed-experts layer (MoE method in moe_method.py) and delegates linear layers
+to vLLM's in-tree method of the checkpoint's format.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_wna16_plugin import _vllm
+from vllm_wna16_plugin.checkpoint_config import CheckpointQuantConfig, parse_quantization_config
+
+QUANTIZATION_NAME = "moe_wna16_plus"
+
+logger = _vllm.init_logger(__name__)
+
+
+def make_config_class():
+    """Build the config class on vLLM's base (imported lazily, so the package imports without vLLM)."""
+    base = _vllm.quantization_config_base()
+
+    class MoeWNA16PlusConfig(base):
+        """Weight-only int4/int8 MoE (GPTQ, AWQ, compressed-tensors pack-quantized)."""
+
+        def __init__(self, parsed: CheckpointQuantConfig) -> None:
+            super().__init__()
+            self.parsed = parsed
+            self._linear_delegate = None
+
+        def __repr__(self) -> str:
+            return f"MoeWNA16PlusConfig({self.parsed.scheme.describe()}, linear={self.parsed.quant_method})"
+
+        @classmethod
+        def get_name(cls) -> str:
+            return QUANTIZATION_NAME
+
+        @classmethod
+        def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+            return [torch.bfloat16, torch.float16, torch.float32]
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 70
+
+        @staticmethod
+        def get_config_filenames() -> list[str]:
+            return ["quantize_config.json"]
+
+        @classmethod
+        def from_config(cls, config: dict[str, Any]) -> MoeWNA16PlusConfig:
+            return cls(parse_quantization_config(config))
+
+        @classmethod
+        def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
+            """Claim the checkpoint only when the user asked for moe_wna16_plus.
+
+            vLLM probes plugin methods before its built-ins, so claiming anything
+            else would hijack every GPTQ/AWQ model. When asked, a malformed
+            config raises here, at config time, with the field and the fix.
+            """
+            if user_quant != QUANTIZATION_NAME:
+                return None
+            parse_quantization_config(hf_quant_cfg)
+            return QUANTIZATION_NAME
+
+        def _delegate(self):
+            if self._linear_delegate is None:
+                delegate = _vllm.in_tree_linear_config(self.parsed.quant_method, self.parsed.raw)
+                delegate.packed_modules_mapping = getattr(self, "packed_modules_mapping", {})
+                self._linear_delegate = delegate
+            return self._linear_delegate
+
+        def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+            if self.parsed.quant_method == "compressed-tensors":
+                self._delegate().apply_vllm_mapper(hf_to_vllm_mapper)
+
+        def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+            fused = getattr(self, "packed_modules_mapping", None) or None
+            if isinstance(layer, _vllm.routed_experts_cls()):
+                scheme = self.parsed.scheme_for(prefix, fused_mapping=fused, moe=True)
+                if scheme is None:
+                    logger.info("moe_wna16_plus: %s is not quantized in the checkpoint; unquantized MoE", prefix)
+                    return _vllm.unquantized_moe_method(layer.moe_config)
+                from vllm_wna16_plugin.moe_method import make_moe_method
+
+                return make_moe_method(scheme, layer.moe_config, prefix)
+            if isinstance(layer, _vllm.linear_base_cls()):
+                if self.parsed.scheme_for(prefix, fused_mapping=fused, moe=False) is None:
+                    return _vllm.unquantized_linear_method()
+                return self._delegate().get_quant_method(layer, prefix)
+            return None
+
+    return MoeWNA16PlusConfig

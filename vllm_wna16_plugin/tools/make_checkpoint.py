@@ -1,0 +1,595 @@
+"""Tiny real on-disk WNA16 MoE checkpoints (GPTQ, AWQ, compressed-tensors) with a float reference.
+
+`make_checkpoint(out_dir, fmt=...)` writes a Hugging Face directory that vLLM and
+transformers read as they read a real quantized checkpoint:
+
+    config.json                 Qwen3MoeForCausalLM or MixtralForCausalLM, with the format's
+                                own quantization_config block
+    model.safetensors           experts (and, by default, attention) quantized in the format's
+                                tensor names and dtypes; router gate, norms, embeddings and
+                                lm_head in bf16
+    generation_config.json, tokenizer.json, tokenizer_config.json, special_tokens_map.json
+    reference/reference.safetensors
+                                per MoE layer i: `layers.{i}.w13` (E, 2I, H) (gate rows then
+                                up rows) and `layers.{i}.w2` (E, H, I), the float32 dequantized
+                                experts; `layers.{i}.w13_float` / `w2_float`, the floats before
+                                quantization. In a subfolder, because vLLM globs only
+                                `<dir>/*.safetensors` (default_loader, non-recursive).
+
+Integers come from `packing.quantize_rtn` and are packed by `packing.pack_gptq` /
+`pack_awq`. compressed-tensors tensors are produced by the compressed-tensors library's
+own `PackedQuantizationCompressor.compress`, fed our scales and (signed) zero points and
+the weights `(q - zero) * scale`, which are exact in float32, so the library's
+`round(w / scale + zero)` recovers our integers exactly.
+
+On-disk conventions (what the maker writes; `packing.py` reads the same):
+    GPTQ   qweight int32 (K/pf, N), qzeros int32 (G, N/pf) holding zero-1 (v1, "gptq") or
+           zero ("gptq_v2"), scales fp16 (G, N), g_idx int32 (K,): group of input row k.
+           Symmetric checkpoints still store qzeros (the midpoint 2**(bits-1), minus 1 for v1).
+    AWQ    qweight int32 (K, N/8) in AWQ order, qzeros int32 (G, N/8) (midpoint 8 when
+           zero_point is false), scales fp16 (G, N).
+    CT     weight_packed int32 (N, K/pf), weight_scale bf16 (N, G), weight_shape int64 [N, K],
+           weight_zero_point int32 (N/pf, G) when asymmetric. The library quantizes to signed
+           int8 q - 2**(bits-1) (zero points too, zp_dtype int8) and packs value + 2**(bits-1):
+           the stored bits are the unsigned q and zero, so no offset survives on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from vllm_wna16_plugin.packing import QuantizedWeight, dequantize, pack_awq, pack_gptq, quantize_rtn
+from vllm_wna16_plugin.tools import tiny_tokenizer
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("gptq", "awq", "compressed-tensors")
+ARCHS = ("qwen3_moe", "mixtral")
+GPTQ_CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 0}  # -> zero_point_offset (stored = zero - offset)
+REFERENCE_FILE = Path("reference") / "reference.safetensors"
+MODEL_FILE = "model.safetensors"
+SCALE_DTYPES = {"gptq": torch.float16, "awq": torch.float16, "compressed-tensors": torch.bfloat16}
+FLOAT_DTYPE = torch.bfloat16  # router gate, norms, embeddings, lm_head, unquantized attention
+DIM_MULTIPLE = 32  # hidden/intermediate: int32 packing along N and K, and whole attention heads
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Names one architecture gives its MoE block (checked against vLLM 0.26's model files)."""
+
+    architecture: str
+    moe_block: str  # "mlp" (qwen3_moe) or "block_sparse_moe" (mixtral)
+    gate_up_down: tuple[str, str, str]  # expert projection names: gate, up, down
+    qk_norm: bool  # Qwen3 has per-head q_norm / k_norm
+
+
+ARCH_SPECS = {
+    "qwen3_moe": ArchSpec("Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"), True),
+    "mixtral": ArchSpec("MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2"), False),
+}
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """The validated arguments of `make_checkpoint` (see its docstring)."""
+
+    fmt: str
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = True
+    arch: str = "qwen3_moe"
+    hidden: int = 256
+    intermediate: int = 128
+    experts: int = 8
+    top_k: int = 2
+    layers: int = 2
+    vocab_size: int | None = None
+    quantize_attention: bool = True
+    seed: int = 0
+    checkpoint_format: str = "gptq"
+    desc_act: bool = False
+    group_size_null: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"fmt={self.fmt!r} is not supported; supported: {list(FORMATS)}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch={self.arch!r} is not supported; supported: {list(ARCHS)}")
+        if self.bits not in (4, 8):
+            raise ValueError(f"bits={self.bits} is not supported; supported: 4, 8")
+        if self.fmt == "awq" and self.bits != 4:
+            raise ValueError(
+                f"fmt='awq' with bits={self.bits}: AWQ GEMM checkpoints are 4-bit only; "
+                "use fmt='gptq' or 'compressed-tensors' for 8-bit"
+            )
+        for name in ("hidden", "intermediate"):
+            value = getattr(self, name)
+            if value <= 0 or value % DIM_MULTIPLE:
+                raise ValueError(f"{name}={value} must be a positive multiple of {DIM_MULTIPLE}")
+        if self.group_size != -1:
+            if self.group_size <= 0:
+                raise ValueError(
+                    f"group_size={self.group_size} is not supported; use a positive group size or -1 (channel-wise)"
+                )
+            for name in ("hidden", "intermediate"):
+                if getattr(self, name) % self.group_size:
+                    raise ValueError(
+                        f"group_size={self.group_size} does not divide {name}={getattr(self, name)}; "
+                        f"use a divisor of both hidden and intermediate, or -1 (channel-wise)"
+                    )
+        if self.experts < 1 or not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"need experts >= 1 and 1 <= top_k <= experts, got {self.experts=}, {self.top_k=}")
+        if self.layers < 1:
+            raise ValueError(f"layers={self.layers} must be >= 1")
+        if self.checkpoint_format not in GPTQ_CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"checkpoint_format={self.checkpoint_format!r} is not supported; "
+                f"supported: {list(GPTQ_CHECKPOINT_FORMATS)}"
+            )
+        if self.fmt != "gptq" and self.checkpoint_format != "gptq":
+            raise ValueError(f"checkpoint_format={self.checkpoint_format!r} applies to fmt='gptq' only")
+        if self.desc_act and self.fmt != "gptq":
+            raise ValueError(f"desc_act=True applies to fmt='gptq' only, not fmt={self.fmt!r}")
+        if self.group_size_null and (self.fmt != "compressed-tensors" or self.group_size != -1):
+            raise ValueError(
+                "group_size_null=True writes a channel-wise compressed-tensors config; "
+                f"it needs fmt='compressed-tensors' and group_size=-1, got fmt={self.fmt!r}, "
+                f"group_size={self.group_size}"
+            )
+        tok_vocab = tiny_tokenizer.tiny_vocab_size()
+        if self.vocab_size is not None and self.vocab_size < tok_vocab:
+            raise ValueError(f"vocab_size={self.vocab_size} is smaller than the tokenizer's {tok_vocab} tokens")
+
+    @property
+    def head_dim(self) -> int:
+        return 64 if self.hidden % 64 == 0 else 32
+
+    @property
+    def num_heads(self) -> int:
+        return self.hidden // self.head_dim
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads // 2 if self.num_heads % 2 == 0 else self.num_heads
+
+    @property
+    def resolved_vocab_size(self) -> int:
+        """vocab_size, or the tokenizer's size rounded up to a multiple of 64."""
+        if self.vocab_size is not None:
+            return self.vocab_size
+        return -(-tiny_tokenizer.tiny_vocab_size() // 64) * 64
+
+    @property
+    def zero_point_offset(self) -> int:
+        return GPTQ_CHECKPOINT_FORMATS[self.checkpoint_format] if self.fmt == "gptq" else 0
+
+
+def make_checkpoint(
+    out_dir: str | Path,
+    *,
+    fmt: str,
+    bits: int = 4,
+    group_size: int = 128,
+    sym: bool = True,
+    arch: str = "qwen3_moe",
+    hidden: int = 256,
+    intermediate: int = 128,
+    experts: int = 8,
+    top_k: int = 2,
+    layers: int = 2,
+    vocab_size: int | None = None,
+    quantize_attention: bool = True,
+    seed: int = 0,
+    checkpoint_format: str = "gptq",
+    desc_act: bool = False,
+    group_size_null: bool = False,
+) -> Path:
+    """Write a tiny quantized MoE checkpoint of format `fmt` into out_dir; returns its path.
+
+    fmt: "gptq" | "awq" | "compressed-tensors". group_size -1 is channel-wise (written as
+    -1, or as null with group_size_null for compressed-tensors). intermediate is the
+    expert (moe) intermediate size. sym=False stores zero points. checkpoint_format
+    "gptq" (v1: stored zero = zero - 1) or "gptq_v2", and desc_act (a random act-order
+    g_idx per module), apply to GPTQ only. quantize_attention=False leaves q/k/v/o_proj
+    in bf16 and excludes them in the config. Weights are seeded by `seed`.
+    """
+    spec = CheckpointSpec(
+        fmt=fmt,
+        bits=bits,
+        group_size=group_size,
+        sym=sym,
+        arch=arch,
+        hidden=hidden,
+        intermediate=intermediate,
+        experts=experts,
+        top_k=top_k,
+        layers=layers,
+        vocab_size=vocab_size,
+        quantize_attention=quantize_attention,
+        seed=seed,
+        checkpoint_format=checkpoint_format,
+        desc_act=desc_act,
+        group_size_null=group_size_null,
+    )
+    return write_checkpoint(out_dir, spec)
+
+
+def write_checkpoint(out_dir: str | Path, spec: CheckpointSpec) -> Path:
+    """make_checkpoint for an already validated CheckpointSpec."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    logger.info("make-checkpoint: writing %s %s int%d to %s", spec.arch, spec.fmt, spec.bits, out)
+    gen = torch.Generator().manual_seed(spec.seed)
+    arch = ARCH_SPECS[spec.arch]
+    h, i_size, e_num = spec.hidden, spec.intermediate, spec.experts
+    q_out, kv_out = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    vocab = spec.resolved_vocab_size
+
+    tensors: dict[str, torch.Tensor] = {}
+    reference: dict[str, torch.Tensor] = {}
+
+    def add_linear(prefix: str, w: torch.Tensor, quantized: bool) -> torch.Tensor:
+        if not quantized:
+            tensors[f"{prefix}.weight"] = w.to(FLOAT_DTYPE)
+            return w
+        stored, deq = quantize_module(w, spec, gen)
+        for suffix, t in stored.items():
+            tensors[f"{prefix}.{suffix}"] = t
+        return deq
+
+    tensors["model.embed_tokens.weight"] = _randn(gen, vocab, h, std=0.02).to(FLOAT_DTYPE)
+    for li in range(spec.layers):
+        p = f"model.layers.{li}"
+        attn = spec.quantize_attention
+        add_linear(f"{p}.self_attn.q_proj", _linear_weight(gen, q_out, h), attn)
+        add_linear(f"{p}.self_attn.k_proj", _linear_weight(gen, kv_out, h), attn)
+        add_linear(f"{p}.self_attn.v_proj", _linear_weight(gen, kv_out, h), attn)
+        add_linear(f"{p}.self_attn.o_proj", _linear_weight(gen, h, q_out), attn)
+        if arch.qk_norm:
+            tensors[f"{p}.self_attn.q_norm.weight"] = _norm_weight(gen, spec.head_dim)
+            tensors[f"{p}.self_attn.k_norm.weight"] = _norm_weight(gen, spec.head_dim)
+        tensors[f"{p}.input_layernorm.weight"] = _norm_weight(gen, h)
+        tensors[f"{p}.post_attention_layernorm.weight"] = _norm_weight(gen, h)
+        tensors[f"{p}.{arch.moe_block}.gate.weight"] = _randn(gen, e_num, h, std=0.05).to(FLOAT_DTYPE)
+
+        w13_float = torch.stack([_linear_weight(gen, 2 * i_size, h) for _ in range(e_num)])
+        w2_float = torch.stack([_linear_weight(gen, h, i_size) for _ in range(e_num)])
+        w13, w2 = [], []
+        gate_name, up_name, down_name = arch.gate_up_down
+        for e in range(e_num):
+            ep = f"{p}.{arch.moe_block}.experts.{e}"
+            gate = add_linear(f"{ep}.{gate_name}", w13_float[e, :i_size], True)
+            up = add_linear(f"{ep}.{up_name}", w13_float[e, i_size:], True)
+            w13.append(torch.cat([gate, up]))
+            w2.append(add_linear(f"{ep}.{down_name}", w2_float[e], True))
+        reference[f"layers.{li}.w13"] = torch.stack(w13)
+        reference[f"layers.{li}.w2"] = torch.stack(w2)
+        reference[f"layers.{li}.w13_float"] = w13_float
+        reference[f"layers.{li}.w2_float"] = w2_float
+        logger.info("make-checkpoint: layer %d: %d experts quantized", li, e_num)
+    tensors["model.norm.weight"] = _norm_weight(gen, h)
+    tensors["lm_head.weight"] = _randn(gen, vocab, h, std=0.02).to(FLOAT_DTYPE)
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / MODEL_FILE), metadata={"format": "pt"})
+    (out / REFERENCE_FILE).parent.mkdir(exist_ok=True)
+    save_file(
+        {k: v.to(torch.float32).contiguous() for k, v in reference.items()},
+        str(out / REFERENCE_FILE),
+        metadata={"format": "pt", "spec": json.dumps(asdict(spec))},
+    )
+    _write_config(out, spec)
+    tiny_tokenizer.save_tiny_tokenizer(out, model_max_length=_MAX_POSITIONS)
+    ids = tiny_tokenizer.special_token_ids()
+    generation = {
+        "bos_token_id": ids["bos"],
+        "eos_token_id": ids["eos"],
+        "pad_token_id": ids["pad"],
+        "do_sample": False,
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    logger.info("make-checkpoint: wrote %d tensors to %s", len(tensors), out / MODEL_FILE)
+    return out
+
+
+def load_reference(out_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The float32 reference tensors of a checkpoint made by make_checkpoint (see module doc)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(out_dir) / REFERENCE_FILE))
+
+
+def load_spec(out_dir: str | Path) -> CheckpointSpec:
+    """The CheckpointSpec a checkpoint was made with (stored in the reference file's metadata)."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(out_dir) / REFERENCE_FILE), framework="pt") as f:
+        return CheckpointSpec(**json.loads(f.metadata()["spec"]))
+
+
+# ---------------------------------------------------------------- quantization per format
+
+
+def quantize_module(
+    w: torch.Tensor,  # (N, K) float32
+    spec: CheckpointSpec,
+    gen: torch.Generator,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """({tensor suffix: stored tensor}, dequantized float32 (N, K)) of one linear in spec.fmt."""
+    scale_dtype = SCALE_DTYPES[spec.fmt]
+    k = w.shape[-1]
+    gs = k if spec.group_size == -1 else spec.group_size
+    if spec.fmt == "gptq":
+        if spec.desc_act:
+            # Act order: GPTQ quantizes columns in the order perm; column k lands in group
+            # position(k) // gs, and qweight stays in the original column order.
+            perm = torch.randperm(k, generator=gen)
+            inv = torch.argsort(perm)
+            qw_perm = _round_scales(quantize_rtn(w[:, perm], spec.bits, gs, not spec.sym), scale_dtype)
+            qw = QuantizedWeight(qw_perm.q[:, inv], qw_perm.scales, qw_perm.zeros, spec.bits, gs)
+            g_idx = (inv // gs).to(torch.int32)
+            deq = dequantize(qw_perm)[:, inv]
+        else:
+            qw = _round_scales(quantize_rtn(w, spec.bits, gs, not spec.sym), scale_dtype)
+            g_idx = (torch.arange(k) // gs).to(torch.int32)
+            deq = dequantize(qw)
+        stored = pack_gptq(qw, zero_point_offset=spec.zero_point_offset)
+        stored["g_idx"] = g_idx
+        return stored, deq
+    qw = _round_scales(quantize_rtn(w, spec.bits, gs, not spec.sym), scale_dtype)
+    deq = dequantize(qw)
+    if spec.fmt == "awq":
+        return pack_awq(qw), deq
+    return compress_with_library(qw, deq, spec), deq
+
+
+def compress_with_library(
+    qw: QuantizedWeight,
+    deq: torch.Tensor,  # (N, K) float32: dequantize(qw), exact in float32
+    spec: CheckpointSpec,
+) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own PackedQuantizationCompressor output for one linear.
+
+    Feeds the library `deq = (q - zero) * scale` with our scale and signed zero point
+    (zero - 2**(bits-1), int8, the library's zp_dtype); its quantize step computes
+    round(deq / scale + zp) = q - 2**(bits-1) exactly, so the packed integers are ours.
+    """
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+    state = {"weight": deq, "weight_scale": qw.scales}
+    if qw.zeros is not None:
+        state["weight_zero_point"] = (qw.zeros - (1 << (qw.bits - 1))).to(torch.int8)
+    out = PackedQuantizationCompressor.compress(state, _ct_scheme(spec))
+    return {name: t.contiguous() for name, t in out.items()}
+
+
+def _round_scales(qw: QuantizedWeight, dtype: torch.dtype) -> QuantizedWeight:
+    """The same integers with scales in the checkpoint's storage dtype (the reference uses these)."""
+    return QuantizedWeight(qw.q, qw.scales.to(dtype), qw.zeros, qw.bits, qw.group_size)
+
+
+# ---------------------------------------------------------------- config.json
+
+_MAX_POSITIONS = 4096
+_ROPE_THETA = 1_000_000.0
+
+
+def _arch_config(spec: CheckpointSpec) -> dict:
+    ids = tiny_tokenizer.special_token_ids()
+    common = {
+        "architectures": [ARCH_SPECS[spec.arch].architecture],
+        "model_type": spec.arch,
+        "attention_dropout": 0.0,
+        "bos_token_id": ids["bos"],
+        "eos_token_id": ids["eos"],
+        "pad_token_id": ids["pad"],
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": spec.hidden,
+        "initializer_range": 0.02,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "num_attention_heads": spec.num_heads,
+        "num_experts_per_tok": spec.top_k,
+        "num_hidden_layers": spec.layers,
+        "num_key_value_heads": spec.num_kv_heads,
+        "output_router_logits": False,
+        "rope_scaling": None,
+        "rope_theta": _ROPE_THETA,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": spec.resolved_vocab_size,
+    }
+    if spec.arch == "qwen3_moe":
+        return {
+            **common,
+            "attention_bias": False,
+            "decoder_sparse_step": 1,
+            "intermediate_size": 4 * spec.hidden,  # dense MLP size; unused (no mlp_only_layers)
+            "max_window_layers": spec.layers,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": spec.intermediate,
+            "norm_topk_prob": True,
+            "num_experts": spec.experts,
+            "rms_norm_eps": 1e-6,
+            "use_sliding_window": False,
+        }
+    return {
+        **common,
+        "intermediate_size": spec.intermediate,
+        "num_local_experts": spec.experts,
+        "rms_norm_eps": 1e-5,
+        "router_jitter_noise": 0.0,
+    }
+
+
+def _router_name(spec: CheckpointSpec) -> str:
+    return f"{ARCH_SPECS[spec.arch].moe_block}.gate"
+
+
+def gptq_quantization_config(spec: CheckpointSpec) -> dict:
+    """The block GPTQModel writes (with its `dynamic` negative match for unquantized attention)."""
+    block = {
+        "quant_method": "gptq",
+        "bits": spec.bits,
+        "group_size": spec.group_size,
+        "sym": spec.sym,
+        "desc_act": spec.desc_act,
+        "checkpoint_format": spec.checkpoint_format,
+        "lm_head": False,
+        "damp_percent": 0.01,
+        "true_sequential": True,
+        "static_groups": False,
+        "pack_dtype": "int32",
+        "meta": {"quantizer": ["vllm-wna16-plugin:make-checkpoint"]},
+    }
+    if not spec.quantize_attention:
+        block["dynamic"] = {"-:.*self_attn.*": {}}
+    return block
+
+
+def awq_quantization_config(spec: CheckpointSpec) -> dict:
+    """The block AutoAWQ writes; vLLM matches modules_to_not_convert as substrings."""
+    skip = [_router_name(spec)]
+    if not spec.quantize_attention:
+        skip.append("self_attn")
+    return {
+        "quant_method": "awq",
+        "bits": spec.bits,
+        "group_size": spec.group_size,
+        "zero_point": not spec.sym,
+        "version": "gemm",
+        "modules_to_not_convert": skip,
+    }
+
+
+def _ct_scheme(spec: CheckpointSpec):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    if spec.group_size == -1:
+        strategy, group_size = "channel", (None if spec.group_size_null else -1)
+    else:
+        strategy, group_size = "group", spec.group_size
+    weights = QuantizationArgs(
+        num_bits=spec.bits,
+        type="int",
+        symmetric=spec.sym,
+        strategy=strategy,
+        group_size=group_size,
+        dynamic=False,
+    )
+    return QuantizationScheme(targets=["Linear"], weights=weights, format="pack-quantized")
+
+
+def ct_ignore_list(spec: CheckpointSpec) -> list[str]:
+    """compressed-tensors `ignore`: lm_head, the router gate, and attention when not quantized."""
+    ignore = ["lm_head", f"re:.*{_router_name(spec)}$"]
+    if not spec.quantize_attention:
+        ignore.append("re:.*self_attn.*")
+    return ignore
+
+
+def _write_config(out: Path, spec: CheckpointSpec) -> None:
+    config = _arch_config(spec)
+    if spec.fmt == "gptq":
+        config["quantization_config"] = gptq_quantization_config(spec)
+    elif spec.fmt == "awq":
+        config["quantization_config"] = awq_quantization_config(spec)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if spec.fmt == "compressed-tensors":
+        # The library writes its own block (version, format, config_groups, ...) into config.json.
+        from compressed_tensors.compressors import ModelCompressor
+        from compressed_tensors.quantization import QuantizationConfig
+
+        qconfig = QuantizationConfig(
+            config_groups={"group_0": _ct_scheme(spec)},
+            format="pack-quantized",
+            quantization_status="compressed",
+            ignore=ct_ignore_list(spec),
+        )
+        ModelCompressor(quantization_config=qconfig).update_config(str(out))
+
+
+# ---------------------------------------------------------------- random weights
+
+
+def _randn(gen: torch.Generator, *shape: int, std: float) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen) * std
+
+
+def _linear_weight(gen: torch.Generator, n: int, k: int) -> torch.Tensor:
+    """float32 (N, K) ~ N(0, 0.02) with a per-row magnitude in [0.5, 1.5) so scales differ by row."""
+    return _randn(gen, n, k, std=0.02) * (0.5 + torch.rand(n, 1, generator=gen))
+
+
+def _norm_weight(gen: torch.Generator, n: int) -> torch.Tensor:
+    return (1.0 + _randn(gen, n, std=0.02)).to(FLOAT_DTYPE)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def add_make_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Arguments of `vllm-wna16 make-checkpoint OUT ...` (defaults as make_checkpoint's)."""
+    parser.add_argument("out", metavar="OUT", help="directory to write the checkpoint into")
+    parser.add_argument("--format", dest="fmt", choices=FORMATS, required=True)
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    parser.add_argument("--group-size", type=int, default=128, help="-1 = channel-wise")
+    sym = parser.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="sym", action="store_true", default=True, help="symmetric (default)")
+    sym.add_argument("--asym", dest="sym", action="store_false", help="store zero points")
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3_moe")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=128, help="expert intermediate size")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's, rounded up to 64")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-format", choices=tuple(GPTQ_CHECKPOINT_FORMATS), default="gptq")
+    parser.add_argument("--desc-act", action="store_true", help="GPTQ act order (random g_idx)")
+    parser.add_argument("--no-quantize-attention", dest="quantize_attention", action="store_false")
+    parser.add_argument(
+        "--group-size-null",
+        action="store_true",
+        help='compressed-tensors channel-wise written as "group_size": null',
+    )
+    return parser
+
+
+def run_make_checkpoint(args: argparse.Namespace) -> int:
+    """Run the make-checkpoint command; 0 on success, 2 on invalid arguments (message logged)."""
+    kwargs = {
+        name: getattr(args, name)
+        for name in (
+            "fmt", "bits", "group_size", "sym", "arch", "hidden", "intermediate", "experts", "top_k",
+            "layers", "vocab_size", "quantize_attention", "seed", "checkpoint_format", "desc_act",
+            "group_size_null",
+        )
+    }  # fmt: skip
+    try:
+        path = make_checkpoint(args.out, **kwargs)
+    except ValueError as exc:
+        logger.error("make-checkpoint: %s", exc)
+        return 2
+    print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = add_make_checkpoint_args(argparse.ArgumentParser(prog="vllm-wna16 make-checkpoint"))
+    return run_make_checkpoint(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -43,3 +43,25 @@ def vllm_cpu():
         )
         initialize_model_parallel(1, 1)
         yield cfg
+
+
+def build_moe_layer(vllm_cfg, raw: dict, *, E, H, I, top_k, tp_size=1, ckpt_names=("gate_proj", "down_proj", "up_proj")):
+    """A vLLM FusedMoE layer owned by moe_wna16_plus (its RoutedExperts), built on CPU under `vllm_cfg`."""
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    qc = get_quantization_config("moe_wna16_plus").from_config(raw)
+    prefix = "model.layers.0.mlp.experts"
+    vllm_cfg.compilation_config.static_forward_context.pop(prefix, None)  # layers are rebuilt per test
+    runner = FusedMoE(
+        num_experts=E,
+        top_k=top_k,
+        hidden_size=H,
+        intermediate_size=I,
+        params_dtype=torch.bfloat16,
+        quant_config=qc,
+        tp_size=tp_size,
+        prefix=prefix,
+        ckpt_names=ckpt_names,
+    )
+    return runner.routed_experts

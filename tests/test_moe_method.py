@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import build_moe_layer
 from vllm_wna16_plugin import _vllm, packing
 from vllm_wna16_plugin.reference import fused_moe_ref
 
@@ -83,23 +84,7 @@ def _weights(fmt, q13, q2, v2=False, names=("gate_proj", "up_proj", "down_proj")
 
 
 def _build(vllm_cpu, raw, tp_size=1):
-    from vllm.model_executor.layers.fused_moe import FusedMoE
-    from vllm.model_executor.layers.quantization import get_quantization_config
-
-    qc = get_quantization_config("moe_wna16_plus").from_config(raw)
-    prefix = "model.layers.0.mlp.experts"
-    vllm_cpu.compilation_config.static_forward_context.pop(prefix, None)  # layers are rebuilt per test
-    runner = FusedMoE(
-        num_experts=E,
-        top_k=TOP_K,
-        hidden_size=H,
-        intermediate_size=I,
-        params_dtype=torch.bfloat16,
-        quant_config=qc,
-        tp_size=tp_size,
-        prefix=prefix,
-    )
-    return runner.routed_experts
+    return build_moe_layer(vllm_cpu, raw, E=E, H=H, I=I, top_k=TOP_K, tp_size=tp_size)
 
 
 def _forward(layer, x, topk_weights, topk_ids):

@@ -63,3 +63,25 @@ def test_vllm_model_config_picks_moe_wna16_plus_only_when_asked(tmp_path):
     assert asked.quantization == "moe_wna16_plus"
     plain = ModelConfig(model=str(path), tokenizer=str(path))
     assert plain.quantization != "moe_wna16_plus"
+
+
+def test_bf16_router_gate_of_a_gptq_checkpoint_stays_unquantized(vllm_cpu, tmp_path):
+    """GPTQ configs do not list the router gate; the safetensors dtypes show it is bf16."""
+    import json
+
+    from vllm.model_executor.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, sym=False, quantize_attention=False,
+                           hidden=128, intermediate=64, experts=4, top_k=2, layers=1)  # fmt: skip
+    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    cfg = get_quantization_config("moe_wna16_plus").from_config(raw)
+    cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    cfg.maybe_update_config(str(path))
+    assert not cfg._stored_quantized("model.layers.0.mlp.gate")
+    assert cfg._stored_quantized("model.layers.0.mlp.experts.0.gate_proj")
+    gate = ReplicatedLinear(128, 4, bias=False, quant_config=cfg, prefix="model.layers.0.mlp.gate")
+    # Asymmetric GPTQ: vLLM's in-tree GPTQ linear method would refuse it; the gate never asks.
+    assert isinstance(gate.quant_method, UnquantizedLinearMethod)

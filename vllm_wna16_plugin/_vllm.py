@@ -12,6 +12,7 @@ Ledger (one entry per symbol outside vLLM's documented plugin API):
 | FusedMoEConfig.tp_rank / tp_size / moe_backend | TP sharding and `--moe-backend` | 0.26.0 | - |
 | ...linear.LinearBase, UnquantizedLinearMethod | delegation of linear layers | 0.26.0 | - |
 | ...quantization.auto_gptq.AutoGPTQConfig, auto_awq.AutoAWQConfig, compressed_tensors.CompressedTensorsConfig | linear layers run vLLM's in-tree method of the format | 0.26.0 | - |
+| transformers_utils.config.get_safetensors_params_metadata | which linear modules are stored quantized (as AutoGPTQConfig.maybe_update_config does) | 0.26.0 | - |
 | ...fused_moe.moe_align_block_size.moe_align_block_size | token alignment for our kernels on GPU | 0.26.0 | - |
 | vllm._custom_ops.moe_wna16_gemm / moe_sum | the `vllm_cuda` backend (vLLM's CUDA GEMM with our legal configs) | 0.26.0 | our csrc kernel replaces it |
 | ...fused_moe.experts.marlin_moe.fused_marlin_moe + marlin_utils repack helpers | the `marlin` backend | 0.26.0 | - |
@@ -115,6 +116,11 @@ def in_tree_linear_config(quant_method: str, raw: dict):
     else:
         raise ValueError(f"no in-tree linear method for quant_method={quant_method!r}")
     return cls.from_config(raw)
+
+
+def safetensors_params_metadata(model_name: str, revision: str | None = None) -> dict:
+    """{param name: {"dtype": "I32", ...}} of a checkpoint's safetensors files (local or hub)."""
+    return _get("vllm.transformers_utils.config", "get_safetensors_params_metadata")(model_name, revision=revision)
 
 
 def set_weight_attrs(param, attrs: dict) -> None:

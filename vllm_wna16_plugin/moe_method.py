@@ -46,7 +46,7 @@ def kernel_param_shapes(scheme: WNA16Scheme, shapes: MoEShapes, num_experts: int
         out[("w13", "qzeros")] = ((e, 0), torch.int32)
         out[("w2", "qzeros")] = ((e, 0), torch.int32)
     if scheme.desc_act or scheme.pack_format is PackFormat.GPTQ:
-        out[("w13", "g_idx")] = ((e, h), torch.int32)
+        out[("w13", "g_idx")] = ((e, 2, h), torch.int32)  # gate and up each have their own act order
         out[("w2", "g_idx")] = ((e, i), torch.int32)
     if scheme.pack_format is PackFormat.CT_PACKED:
         out[("w13", "shape")] = ((e, 2), torch.int64)

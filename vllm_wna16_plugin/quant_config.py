@@ -30,6 +30,7 @@ def make_config_class():
             super().__init__()
             self.parsed = parsed
             self._linear_delegate = None
+            self._quantized_modules: set[str] | None = None
 
         def __repr__(self) -> str:
             return f"MoeWNA16PlusConfig({self.parsed.scheme.describe()}, linear={self.parsed.quant_method})"
@@ -67,6 +68,39 @@ def make_config_class():
             parse_quantization_config(hf_quant_cfg)
             return QUANTIZATION_NAME
 
+        def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None) -> None:
+            """Learn which linear modules the checkpoint stores quantized (non-float tensors).
+
+            A GPTQ checkpoint without `modules_in_block_to_quantize` says nothing about
+            its bf16 router gate; the safetensors dtypes do (vLLM's AutoGPTQ does the same).
+            """
+            try:
+                metadata = _vllm.safetensors_params_metadata(model_name, revision)
+            except Exception as exc:  # noqa: BLE001 - no metadata: every listed module is quantized
+                logger.debug("moe_wna16_plus: no safetensors metadata for %s (%s)", model_name, exc)
+                return
+            floats = {"F16", "BF16", "F32", "F64"}
+            self._quantized_modules = {
+                name.rsplit(".", 1)[0] for name, info in metadata.items() if info.get("dtype") not in floats
+            }
+            if self.parsed.quant_method == "gptq":
+                self._delegate_or_none(lambda d: d.maybe_update_config(model_name, hf_config, revision))
+
+        def _delegate_or_none(self, use):
+            try:
+                return use(self._delegate())
+            except ValueError as exc:  # e.g. vLLM's in-tree GPTQ is symmetric-only: fail only if a linear needs it
+                logger.debug("moe_wna16_plus: in-tree %s config unavailable: %s", self.parsed.quant_method, exc)
+                return None
+
+        def _stored_quantized(self, prefix: str) -> bool:
+            quantized = getattr(self, "_quantized_modules", None)
+            if quantized is None:
+                return True
+            parent, _, last = prefix.rpartition(".")
+            shards = (getattr(self, "packed_modules_mapping", None) or {}).get(last, [last])
+            return any((f"{parent}.{s}" if parent else s) in quantized for s in shards)
+
         def _delegate(self):
             if self._linear_delegate is None:
                 delegate = _vllm.in_tree_linear_config(self.parsed.quant_method, self.parsed.raw)
@@ -89,7 +123,9 @@ def make_config_class():
 
                 return make_moe_method(scheme, layer.moe_config, prefix)
             if isinstance(layer, _vllm.linear_base_cls()):
-                if self.parsed.scheme_for(prefix, fused_mapping=fused, moe=False) is None:
+                if self.parsed.scheme_for(prefix, fused_mapping=fused, moe=False) is None or not (
+                    self._stored_quantized(prefix)
+                ):
                     return _vllm.unquantized_linear_method()
                 return self._delegate().get_quant_method(layer, prefix)
             return None

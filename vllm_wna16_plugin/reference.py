@@ -71,17 +71,21 @@ def dequantize_ref(
     scales: torch.Tensor,  # (E, N, G)
     qzeros: torch.Tensor | None,  # (E, N*bits/8, G) uint8
     bits: int,
-    g_idx: torch.Tensor | None = None,  # (E, K) int: group of each K row (act order)
+    g_idx: torch.Tensor | None = None,  # (E, K) or (E, S, K) int: group of each K row (act order)
 ) -> torch.Tensor:
     """float32 (E, N, K) weights from the kernel layout (see packing.py).
 
     Without g_idx, K row k belongs to group k // group_size; with it (GPTQ act
-    order), to group g_idx[e, k].
+    order), to group g_idx[e, k]. A (E, S, K) g_idx gives each of S equal row
+    blocks its own order (w13: gate rows, then up rows).
     """
     qw = from_kernel_layout(KernelWeights(qweight, scales, qzeros), bits)
     if g_idx is None:
         return dequantize(qw)
-    idx = g_idx.long().unsqueeze(1).expand(-1, qw.q.shape[1], -1)  # (E, N, K)
+    n = qw.q.shape[1]
+    if g_idx.dim() == 2:
+        g_idx = g_idx.unsqueeze(1)
+    idx = g_idx.long().repeat_interleave(n // g_idx.shape[1], dim=1)  # (E, N, K)
     s = torch.gather(qw.scales.float(), -1, idx)
     z = torch.gather(qw.zeros_or_midpoint().float(), -1, idx)
     return (qw.q.float() - z) * s
@@ -102,7 +106,7 @@ def fused_moe_wna16_ref(
     activation: str = "silu",
     apply_router_weight_on_input: bool = False,
     expert_map: torch.Tensor | None = None,
-    w13_g_idx: torch.Tensor | None = None,  # (E, H) act order
+    w13_g_idx: torch.Tensor | None = None,  # (E, 2, H) act order (gate, up)
     w2_g_idx: torch.Tensor | None = None,  # (E, I)
 ) -> torch.Tensor:
     """`fused_moe_ref` on weights dequantized from the kernel layout."""

@@ -155,6 +155,8 @@ def _regroup(value: torch.Tensor, size_k: int, group_size: int, new_group_size: 
 def kernel_rows(shapes: MoEShapes, kind: str, shard_id: str, bits: int) -> slice:
     """Rows of the kernel-layout tensor (per expert) that this shard fills."""
     i_loc = shapes.intermediate_local
+    if kind == "g_idx" and shard_id != "w2":  # w13's g_idx is (2, H): one row per shard
+        return slice(0, 1) if shard_id == "w1" else slice(1, 2)
     if shard_id == "w2" or kind in ("g_idx", "shape"):
         return slice(None)
     rows = i_loc * bits // 8 if kind == "qzeros" else i_loc
@@ -184,6 +186,8 @@ def convert_checkpoint_tensor(
     if kind == "shape":
         return logical, slice(None)
     local = shard_logical(shapes, scheme, kind, shard_id, logical)
+    if kind == "g_idx" and shard_id != "w2":
+        local = local.unsqueeze(0)
     return to_kernel_piece(kind, local.contiguous(), scheme.bits, dtype), kernel_rows(
         shapes, kind, shard_id, scheme.bits
     )

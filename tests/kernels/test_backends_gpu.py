@@ -31,7 +31,7 @@ CASES = [
 BACKENDS = ["triton", "triton-td", "vllm_cuda", "marlin"]
 
 
-@pytest.mark.parametrize("M", [1, 4, 33, 300])
+@pytest.mark.parametrize("M", [1, 33, 300])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("H, I, E, top_k, bits, gs, zp", CASES)
 def test_gpu_backend_matches_reference(H, I, E, top_k, bits, gs, zp, backend, M):
@@ -47,8 +47,7 @@ def test_gpu_backend_matches_reference(H, I, E, top_k, bits, gs, zp, backend, M)
     if reason is not None:
         assert isinstance(reason, str) and reason
         pytest.skip(f"{name} rejects this case: {reason}")
-    ref = fused_moe_wna16_ref(*[t.cpu() for t in args], **{k: v.cpu() if isinstance(v, torch.Tensor) else v
-                                                           for k, v in kw.items()})  # fmt: skip
+    ref = fused_moe_wna16_ref(*args, **kw).cpu()  # float32 torch on the GPU: independent of every kernel
     out = fused_moe_wna16(*args, group_size=gs, backend=name, use_td=use_td, **kw)
     torch.cuda.synchronize()
     if name == "vllm_cuda":
@@ -74,6 +73,5 @@ def test_gpu_backend_captures_in_cuda_graph(backend):
     args[0].copy_(torch.randn_like(args[0]))
     graph.replay()
     torch.cuda.synchronize()
-    ref = fused_moe_wna16_ref(*[t.cpu() for t in args], **{k: v.cpu() if isinstance(v, torch.Tensor) else v
-                                                           for k, v in kw.items()})  # fmt: skip
+    ref = fused_moe_wna16_ref(*args, **kw).cpu()  # float32 torch on the GPU: independent of every kernel
     assert_close_scaled(out.cpu(), ref, torch.bfloat16, f"{backend} graph replay")

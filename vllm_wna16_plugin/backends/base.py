@@ -49,7 +49,7 @@ class KernelTensors:
     w2_scales: torch.Tensor  # (E, H, I/gs)
     w13_qzeros: torch.Tensor | None = None  # (E, 2I*bits/8, H/gs) uint8
     w2_qzeros: torch.Tensor | None = None  # (E, H*bits/8, I/gs) uint8
-    w13_g_idx: torch.Tensor | None = None  # (E, H) int32, act order only
+    w13_g_idx: torch.Tensor | None = None  # (E, 2, H) int32, act order only (gate, up)
     w2_g_idx: torch.Tensor | None = None  # (E, I) int32
 
 

@@ -18,8 +18,9 @@ class TritonBackend(Backend):
     description = "plugin Triton kernel (int4/int8, any group size, TD path on sm90+/XPU)"
 
     def incompatibility_reason(self, problem: MoEProblem) -> str | None:
-        if problem.platform not in ("cuda", "xpu", "rocm") and not _interpreter_on():
-            return f"needs a CUDA/ROCm/XPU GPU (platform is {problem.platform}; CPU only under TRITON_INTERPRET=1)"
+        on_gpu = problem.platform in ("cuda", "xpu", "rocm")
+        if not on_gpu and not (_interpreter_on() and problem.extra.get("explicit")):
+            return f"needs a CUDA/ROCm/XPU GPU (platform is {problem.platform}; on CPU only when asked for explicitly under TRITON_INTERPRET=1)"
         if problem.platform == "cuda" and problem.sm is not None and problem.sm < 70:
             return f"needs sm70+, device is sm{problem.sm}"
         if problem.has_g_idx:

@@ -311,8 +311,32 @@ def main() -> int:
                 wr.writerow([shape, m, prov, f"{r[0]:.2f}", f"{r[1]:.2f}", f"{r[2]:.2f}", f"{r[3]:.4f}", ""])
             else:
                 wr.writerow([shape, m, prov, "", "", "", "", f"{r[0]}: {r[1]}"])
+    plot(rows, providers, out / f"{stamp}.png")
     print(table)
     return 0
+
+
+def plot(rows, providers, path: Path) -> None:
+    """µs per layer call vs M, one panel per shape, log-log (skipped when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    shapes = list(dict.fromkeys(r[0] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 3.6), squeeze=False)
+    for ax, shape in zip(axes[0], shapes, strict=True):
+        for prov in providers:
+            pts = [(m, r[0]) for sh, m, p, r in rows if sh == shape and p == prov and isinstance(r[0], float)]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", ms=3, label=prov)
+        ax.set(xscale="log", yscale="log", title=shape, xlabel="M (tokens)", ylabel="µs per MoE layer")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def render(rows, providers) -> str:

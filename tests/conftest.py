@@ -45,7 +45,9 @@ def vllm_cpu():
         yield cfg
 
 
-def build_moe_layer(vllm_cfg, raw: dict, *, E, H, I, top_k, tp_size=1, ckpt_names=("gate_proj", "down_proj", "up_proj")):
+def build_moe_layer(
+    vllm_cfg, raw: dict, *, E, H, I, top_k, tp_size=1, ckpt_names=("gate_proj", "down_proj", "up_proj")
+):
     """A vLLM FusedMoE layer owned by moe_wna16_plus (its RoutedExperts), built on CPU under `vllm_cfg`."""
     from vllm.model_executor.layers.fused_moe import FusedMoE
     from vllm.model_executor.layers.quantization import get_quantization_config

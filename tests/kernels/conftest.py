@@ -72,7 +72,8 @@ def make_moe_problem(
     *,
     M,
     H,
-    inter,
+    inter=None,
+    I=None,  # noqa: E741 - alias of inter (tests/kernels/test_backends_gpu.py spells it I)
     E,
     top_k,
     bits,
@@ -89,6 +90,9 @@ def make_moe_problem(
     Routing draws top_k distinct experts per token out of num_global_experts (default E)
     with softmax weights; the weights have E experts (the local ones).
     """
+    inter = I if inter is None else inter
+    if inter is None:
+        raise ValueError("make_moe_problem needs inter (or its alias I), the intermediate size")
     gen = torch.Generator().manual_seed(seed)
     gs2 = gs1 if gs2 is None else gs2
     w13 = quantized_experts(E, 2 * inter, H, bits, gs1, zp, dtype, gen, exact_scales)

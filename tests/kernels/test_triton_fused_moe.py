@@ -301,6 +301,184 @@ def test_empty_batch_returns_empty():
     assert fused_moe_wna16_triton(*p.args(), **p.kwargs()).shape == (0, 64)
 
 
+# ---------------------------------------------------------------- per-pair (BLOCK_SIZE_M=1) and split-K
+
+PER_PAIR_CASES = [
+    # (M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config); the comment names the edge
+    # gs32, BLOCK_SIZE_K=256: 8 scale groups per tile, one (BLOCK_N, 8) scale vector per step
+    pytest.param(1, 512, 256, 8, 2, 4, 32, 32, True, BF16, Cfg(1, 32, 256), id="int4-asym-gs32-8groups/tile"),
+    # gs64, K=1344 tail under BLOCK_SIZE_K=128 (1344 = 10.5 tiles), N tail (2I=96 under BN=64)
+    pytest.param(2, 1344, 48, 4, 2, 4, 64, 16, False, FP16, Cfg(1, 64, 128), id="int4-gs64-K1344-tail-fp16"),
+    # gs128 spans two K tiles of 64: the same scale vector on consecutive steps
+    pytest.param(3, 256, 128, 4, 2, 4, 128, 128, True, BF16, Cfg(1, 32, 64), id="int4-gs128-2tiles/group"),
+    # channel-wise, K=96 with BLOCK_SIZE_K=64 (tail), zero points
+    pytest.param(2, 96, 96, 4, 2, 4, -1, -1, True, BF16, Cfg(1, 32, 64), id="int4-channelwise-K96-tail"),
+    # int8 (bf16: no magic-number path), gs32, split K in 2
+    pytest.param(2, 256, 64, 4, 2, 8, 32, 32, True, BF16, Cfg(1, 32, 64, SPLIT_K=2), id="int8-gs32-split2"),
+    # int8 fp16 magic path, split 4 over K=1344 tiles that do not split evenly (11 tiles of 128)
+    pytest.param(1, 1344, 64, 4, 2, 8, 64, 64, False, FP16, Cfg(1, 32, 128, SPLIT_K=4), id="int8-K1344-split4-uneven"),
+    # top_k=1: GEMM2 writes out directly
+    pytest.param(3, 128, 64, 4, 1, 4, 32, 32, False, BF16, Cfg(1, 16, 64), id="int4-topk1-direct-out"),
+]
+
+
+@pytest.mark.parametrize("M,H,inter,E,top_k,bits,gs1,gs2,zp,dtype,config", PER_PAIR_CASES)
+def test_per_pair_kernel_matches_reference(M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, monkeypatch):
+    # BLOCK_SIZE_M=1 needs no alignment at all: a failing align_fn proves it is never called
+    def no_align(*args, **kwargs):
+        raise AssertionError("per-pair GEMMs must not align")
+
+    p = make_moe_problem(
+        M=M, H=H, inter=inter, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype, seed=20
+    )
+    out = torch.full((M, H), float("nan"), dtype=dtype)
+    got, ref = run_both(p, use_td=False, configs=config, align_fn=no_align, out=out)
+    assert_close_scaled(got, ref, dtype, "per pair")
+
+
+@pytest.mark.parametrize(
+    "cfg1,cfg2",
+    [
+        # split-K partials of both GEMMs (summed by the activation and the top-k sum kernels), K tail
+        pytest.param(Cfg(16, 32, 64, SPLIT_K=2), Cfg(16, 32, 32, SPLIT_K=4), id="dot-split2/4"),
+        # per-pair GEMM1, tl.dot GEMM2: one alignment, for GEMM2 only
+        pytest.param(Cfg(1, 32, 64), Cfg(16, 32, 64), id="pair-then-dot"),
+    ],
+)
+def test_split_k_and_mixed_forms_match_reference(cfg1, cfg2):
+    calls = []
+
+    def align(topk_ids, block_size, num_experts, expert_map=None):
+        calls.append(block_size)
+        return moe_align_block_size_torch(topk_ids, block_size, num_experts, expert_map)
+
+    p = make_moe_problem(M=5, H=160, inter=96, E=4, top_k=2, bits=4, gs1=32, gs2=32, zp=True, seed=21)
+    out, ref = run_both(p, use_td=False, configs=(cfg1, cfg2), align_fn=align)
+    assert_close_scaled(out, ref, BF16, "split-K / mixed")
+    assert calls == sorted({c.BLOCK_SIZE_M for c in (cfg1, cfg2)} - {1})
+
+
+@pytest.mark.parametrize("use_td", [pytest.param(False, id="ptr"), pytest.param(True, id="td")])
+def test_per_pair_expert_map_and_td(use_td, td_decisions):
+    # per pair, the expert_map lookup happens in the kernel: non-local pairs write zeros
+    p = make_moe_problem(M=4, H=64, inter=32, E=4, top_k=3, bits=4, gs1=32, zp=True, num_global_experts=8, seed=22)
+    expert_map = torch.full((8,), -1, dtype=torch.int64)
+    expert_map[torch.tensor([0, 2, 5, 7])] = torch.arange(4)
+    assert (expert_map[p.topk_ids.long()] == -1).any() and (expert_map[p.topk_ids.long()] >= 0).any()
+    out, ref = run_both(
+        p, use_td=use_td, expert_map=expert_map, configs=Cfg(1, 32, 32), reference_kwargs=dict(expert_map=expert_map)
+    )
+    assert_close_scaled(out, ref, BF16, "per-pair expert_map")
+    # GEMM1's A has M=4 rows and GEMM2's 12: both may take TD for B; a per-pair GEMM never gathers A
+    assert [(d.use_td_b, d.use_gather) for d in td_decisions] == [(use_td, False)] * 2
+
+
+@pytest.mark.parametrize(
+    "bits,zp,gs,K,bk,dtype",
+    [
+        pytest.param(4, True, 32, 96, 64, BF16, id="int4-gs32-K96-tail-bf16"),
+        pytest.param(4, True, 64, 192, 128, FP16, id="int4-gs64-K192-tail-fp16-magic"),
+        pytest.param(4, False, 128, 256, 256, FP16, id="int4-gs128-2groups-fp16-magic"),
+        pytest.param(4, True, -1, 96, 64, BF16, id="int4-channelwise-K96"),
+        pytest.param(8, True, 32, 96, 64, FP16, id="int8-gs32-fp16-magic"),
+        pytest.param(8, False, -1, 64, 32, BF16, id="int8-channelwise"),
+    ],
+)
+@pytest.mark.parametrize("bm", [pytest.param(1, id="pair"), pytest.param(16, id="dot")])
+def test_one_hot_probe_scale_vectors_every_group_size(bits, zp, gs, K, bk, dtype, bm):
+    # x = eye(K): output row k is column k of dequant(W_e) exactly, so each group's scale/zero
+    # vector must land on its own K columns, for groups smaller, equal and larger than the tile
+    E, N = 2, 32
+    kw = quantized_experts(E, N, K, bits, gs, zp, dtype, torch.Generator().manual_seed(23))
+    ids = torch.full((K, 1), 1, dtype=torch.int32)
+    c = torch.full((K, N), float("nan"), dtype=dtype)
+    aligned = moe_align_block_size_torch(ids, bm, E) if bm > 1 else (None, None, None)
+    invoke_wna16_gemm(
+        torch.eye(K, dtype=dtype), kw.qweight, kw.scales, kw.qzeros, c, None, *aligned,
+        bits=bits, top_k=1, mul_routed_weight=False, config=Cfg(bm, 32, bk), td=POINTERS, topk_ids=ids.reshape(-1),
+    )  # fmt: skip
+    want = dequantize_ref(kw.qweight, kw.scales, kw.qzeros, bits)[1].to(dtype).T
+    assert torch.equal(c, want), (c.float() - want.float()).abs().max()
+
+
+# ---------------------------------------------------------------- activation and top-k sum kernels
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP16, id="fp16")])
+@pytest.mark.parametrize("split", [pytest.param(1, id="plain"), pytest.param(3, id="partials3")])
+def test_gated_activation_kernel_matches_torch(activation, dtype, split):
+    from vllm_wna16_plugin.activation import gated_activation
+    from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton
+
+    gen = torch.Generator().manual_seed(30)
+    T, inter = 5, 1100  # I > the 1024-column block: two programs per row, a column tail
+    if split == 1:
+        h = (3 * torch.randn(T, 2 * inter, generator=gen)).to(dtype)
+        want = gated_activation(h, activation)
+    else:
+        h = 3 * torch.randn(split, T, 2 * inter, generator=gen)
+        want = gated_activation(h.sum(0).to(dtype), activation)  # partials summed, rounded, then act
+    out = torch.full((T, inter), float("nan"), dtype=dtype)
+    got = gated_activation_triton(h, activation, out=out)
+    assert got is out
+    assert_close_scaled(out, want, dtype, f"{activation} split={split}")
+    # float32 math then one rounding: within one unit in the last place of torch's result
+    # away from gelu's far negative tail, where 1 + erf(x) cancels in any float32 erf (1e-4 of the max)
+    ulp = 2**-7 if dtype == BF16 else 2**-10
+    err = (out.float() - want.float()).abs()
+    assert (err <= ulp * want.float().abs() + 1e-4 * want.float().abs().max()).all(), err.max()
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(BF16, id="bf16"), pytest.param(FP16, id="fp16")])
+@pytest.mark.parametrize("split", [pytest.param(1, id="plain"), pytest.param(2, id="partials2")])
+def test_moe_sum_kernel_matches_torch(dtype, split):
+    from vllm_wna16_plugin.kernels.triton.activation import moe_sum_triton
+
+    gen = torch.Generator().manual_seed(31)
+    T, top_k, H = 3, 8, 1300
+    if split == 1:
+        y = torch.randn(T * top_k, H, generator=gen).to(dtype)
+        per_pair = y.float()
+    else:
+        y = torch.randn(split, T * top_k, H, generator=gen)
+        per_pair = y.sum(0).to(dtype).float()  # each pair rounded once, as an unsplit GEMM2 stores it
+    want = per_pair.view(T, top_k, H).sum(1).to(dtype)
+    out = torch.full((T, H), float("nan"), dtype=dtype)
+    moe_sum_triton(y, out, top_k)
+    torch.testing.assert_close(out, want, atol=0, rtol=2**-7 if dtype == BF16 else 2**-10)
+
+
+def test_activation_and_sum_errors():
+    from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton, moe_sum_triton
+
+    with pytest.raises(ValueError, match=r"activation='relu' is not supported"):
+        gated_activation_triton(torch.zeros(2, 8, dtype=BF16), "relu")
+    with pytest.raises(ValueError, match=r"need out= or dtype="):
+        gated_activation_triton(torch.zeros(2, 2, 8), "silu")
+    with pytest.raises(ValueError, match=r"must be float32"):
+        moe_sum_triton(torch.zeros(2, 4, 8, dtype=BF16), torch.empty(2, 8, dtype=BF16), 2)
+
+
+def test_launch_plan_per_layer_call(monkeypatch):
+    # the GPU work of one call: GEMMs, one activation, one sum, and alignments only for BLOCK_SIZE_M > 1
+    launches = []
+    for name in ("invoke_wna16_gemm", "gated_activation_triton", "moe_sum_triton"):
+        real = getattr(fused_moe, name)
+        monkeypatch.setattr(fused_moe, name, lambda *a, _r=real, _n=name, **k: launches.append(_n) or _r(*a, **k))
+
+    def align(*args, **kwargs):
+        launches.append("align")
+        return moe_align_block_size_torch(*args, **kwargs)
+
+    p = make_moe_problem(M=1, H=64, inter=32, E=8, top_k=2, bits=4, gs1=32, seed=32)
+    fused_moe_wna16_triton(*p.args(), **p.kwargs(), align_fn=align)  # default configs: per pair at M=1
+    assert launches == ["invoke_wna16_gemm", "gated_activation_triton", "invoke_wna16_gemm", "moe_sum_triton"]
+    launches.clear()
+    fused_moe_wna16_triton(*p.args(), **p.kwargs(), align_fn=align, configs=Cfg(16, 32, 32))
+    assert launches == ["align", "invoke_wna16_gemm", "gated_activation_triton", "invoke_wna16_gemm", "moe_sum_triton"]
+
+
 # ---------------------------------------------------------------- errors (messages are API)
 
 
@@ -354,19 +532,43 @@ def test_config_validation(field, kwargs, match):
 
 @pytest.mark.parametrize("K,gs", [(2048, 32), (1344, 32), (96, 32), (352, 32), (4096, 128), (768, -1), (1344, -1)])
 @pytest.mark.parametrize("M", [1, 16, 256, 8192])
-def test_default_config_is_legal_and_prefers_no_k_tail(K, gs, M):
+def test_default_config_is_legal_and_k_tail_is_small(K, gs, M):
     # the real crash shapes of vLLM's heuristic (ratio 16 at gs32, K=1344, K=96) get a legal config
     cfg = get_triton_moe_config(M, 128, 1536, K, 8, gs, 4, device_name="NVIDIA H200")
     cfg.check_shape(K, K if gs == -1 else gs)
-    assert K % cfg.BLOCK_SIZE_K == 0
+    bk = cfg.BLOCK_SIZE_K
+    assert (-(-K // bk) * bk - K) / K <= 0.125  # at most 1/8 of the K loop is tail
     if M == 1:
-        assert cfg.BLOCK_SIZE_M == 16 and cfg.GROUP_SIZE_M == 1
+        assert cfg.BLOCK_SIZE_M == 1 and cfg.GROUP_SIZE_M == 1  # per pair: no alignment launch
+
+
+@pytest.mark.parametrize(
+    "M,E,N,K,top_k,want",
+    [
+        # decode, Qwen3-30B-A3B GEMM1: per pair, 128-byte int4 rows, >= 2 programs per SM
+        pytest.param(1, 128, 1536, 2048, 8, dict(BLOCK_SIZE_M=1, BLOCK_SIZE_K=256, SPLIT_K=1), id="qwen3-m1"),
+        # Mixtral GEMM2 at decode: 2 pairs x 4096/32 columns is short of 264 programs: split K in two
+        pytest.param(1, 8, 4096, 14336, 2, dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=32, SPLIT_K=2), id="mixtral-w2-m1"),
+        # M=16 at E=128 top8: pairs share experts, tl.dot tiles of 16 rows
+        pytest.param(16, 128, 1536, 2048, 8, dict(BLOCK_SIZE_M=16, BLOCK_SIZE_K=256, num_stages=4), id="qwen3-m16"),
+        pytest.param(4096, 8, 4096, 4096, 2, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, SPLIT_K=1), id="prefill"),
+    ],
+)
+def test_default_config_regimes(M, E, N, K, top_k, want):
+    cfg = default_config(M, E, N, K, top_k, 128, 4)
+    assert {k: getattr(cfg, k) for k in want} == want, cfg
 
 
 def test_default_config_spreads_decode_over_n():
-    # decode: few M-blocks, so BLOCK_SIZE_N shrinks to give >= 256 programs
-    assert default_config(1, 8, 4096, 4096, 2, 128, 4).BLOCK_SIZE_N == 32
+    # decode: few M-blocks, so BLOCK_SIZE_N shrinks (and SPLIT_K grows) toward >= 264 programs
+    small = default_config(1, 8, 4096, 4096, 2, 128, 4)
+    assert small.BLOCK_SIZE_N == 32 and small.SPLIT_K == 2
     assert default_config(4096, 8, 4096, 4096, 2, 128, 4).BLOCK_SIZE_N == 128
+
+
+def test_split_k_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match=r"SPLIT_K=3 must be a power of two"):
+        Cfg(16, 32, 64, SPLIT_K=3)
 
 
 def test_tuned_json_entry_wins_nearest_m(tmp_path):
@@ -404,45 +606,63 @@ def test_kernels_import_no_vllm():
 # ---------------------------------------------------------------- GPU code generation, without a GPU
 
 _AOT_SCRIPT = r"""
-import os, sys
+import os, re, sys
 os.environ["TRITON_INTERPRET"] = "0"
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vllm_wna16_plugin.kernels.triton.fused_moe import _fused_moe_wna16_kernel as kernel
+from vllm_wna16_plugin.kernels.triton import fused_moe
 
-sm, bits, td, gather, even_k = (int(v) for v in sys.argv[1:])
-K, N, gs, bk = (2048, 1536, 32, 128) if even_k else (1344, 1536, 32, 128)
+sm, bits, td, gather, even_k, pair = (int(v) for v in sys.argv[1:])
+kernel = fused_moe._fused_moe_wna16_pair_kernel if pair else fused_moe._fused_moe_wna16_kernel
+K, N, gs, bk = (2048, 1536, 32, 256) if even_k else (1344, 1536, 32, 128)
 ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8", topk_weights_ptr="*fp32",
-            sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32")
-consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, EM_GRID=1024, group_size=gs,
+            sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
+            topk_ids_ptr="*i32", expert_map_ptr="*i32")
+consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, group_size=gs,
               NUM_GROUPS=K // gs, GROUPS=bk // gs, top_k=8, BITS=bits, HAS_ZP=True, MUL_ROUTED_WEIGHT=True,
-              EVEN_K=bool(even_k), USE_TD=bool(td), USE_TD_GATHER=bool(gather), compute_type=tl.bfloat16,
-              INTERPRET_BF16=False, BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=bk, GROUP_SIZE_M=1)
+              EVEN_K=bool(even_k), USE_TD=bool(td), USE_TD_GATHER=bool(gather), SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
+              compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=bk,
+              GROUP_SIZE_M=1)
+consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
+divisible = ("stride_am", "stride_be", "stride_bn", "stride_cm", "stride_cs", "stride_se", "stride_ze", "stride_zn")
 sig, attrs = {}, {}
 for i, name in enumerate(kernel.arg_names):
     sig[name] = ptrs.get(name, "constexpr" if name in consts else ("i64" if name.startswith("stride") else "i32"))
-    if name in ptrs or name in ("stride_am", "stride_be", "stride_bn", "stride_cm", "stride_se"):
+    if name in ptrs or name in divisible:
         attrs[(i,)] = [["tt.divisibility", 16]]  # what the JIT infers for 16-divisible launch arguments
 src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-ptx = triton.compile(src, target=GPUTarget("cuda", sm, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
-print("TMA" if "cp.async.bulk.tensor" in ptx else "", "GATHER4" if "gather4" in ptx else "",
-      "CPASYNC16" if "cp.async.cg.shared.global" in ptx and "0x10" in ptx else "")
+ptx = triton.compile(src, target=GPUTarget("cuda", sm, 32), options=dict(num_warps=4, num_stages=4)).asm["ptx"]
+tags = []
+if "cp.async.bulk.tensor" in ptx: tags.append("TMA")
+if "gather4" in ptx: tags.append("GATHER4")
+if re.search(r"cp[.]async[.]cg[.]shared[.]global[^;]*, 0x10", ptx): tags.append("CPASYNC16")
+if "ld.global.v4" in ptx or "CPASYNC16" in tags: tags.append("LDV4")  # 16-byte B loads, direct or async
+if re.search(r"mul(?:[.]rn)?[.]bf16", ptx): tags.append("BF16MATH")  # dequant in bf16, no f32 round trip
+# scale/zero loads per thread per K step: 16-bit scalar global loads, counted
+b16 = re.findall(r"ld[.]global(?:[.]nc)?(?:[.]L1::evict_[a-z_]+)?[.]b16", ptx)
+tags.append("B16LOADS=%d" % len(b16))
+print(*tags)
 """
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sm,bits,td,gather,even_k,want",
+    "sm,bits,td,gather,even_k,pair,want",
     [
-        pytest.param(90, 4, 0, 0, 1, {"CPASYNC16"}, id="sm90-int4-pointer: 16-byte async B loads"),
-        pytest.param(90, 4, 0, 0, 0, set(), id="sm90-int4-pointer-K1344-tail"),
-        pytest.param(90, 4, 1, 0, 1, {"TMA"}, id="sm90-int4-td-load"),
-        pytest.param(90, 8, 1, 0, 1, {"TMA"}, id="sm90-int8-td-load"),
-        pytest.param(100, 4, 1, 1, 1, {"TMA", "GATHER4"}, id="sm100-int4-td-gather"),
+        # dot path: B by 16-byte cp.async into the pipeline stages, dequant in bf16 math
+        pytest.param(90, 4, 0, 0, 1, 0, {"CPASYNC16", "BF16MATH"}, id="sm90-int4-pointer: 16-byte async B loads"),
+        pytest.param(90, 4, 0, 0, 0, 0, {"CPASYNC16"}, id="sm90-int4-pointer-K1344-tail"),
+        # per-pair GEMV: 128-byte int4 rows as 16-byte vector loads
+        pytest.param(90, 4, 0, 0, 1, 1, {"LDV4", "BF16MATH"}, id="sm90-int4-per-pair: 16-byte vector B loads"),
+        pytest.param(90, 4, 0, 0, 0, 1, {"LDV4"}, id="sm90-int4-per-pair-K1344-tail"),
+        pytest.param(90, 4, 1, 0, 1, 0, {"TMA"}, id="sm90-int4-td-load"),
+        pytest.param(90, 8, 1, 0, 1, 0, {"TMA"}, id="sm90-int8-td-load"),
+        pytest.param(90, 4, 1, 0, 1, 1, {"TMA"}, id="sm90-int4-per-pair-td-load"),
+        pytest.param(100, 4, 1, 1, 1, 0, {"TMA", "GATHER4"}, id="sm100-int4-td-gather"),
     ],
 )
-def test_kernel_compiles_for_gpu_targets(sm, bits, td, gather, even_k, want):
+def test_kernel_compiles_for_gpu_targets(sm, bits, td, gather, even_k, pair, want):
     # triton.compile with the wheel's ptxas: the GPU code paths build (TMA on sm90, gather4 on sm100)
     import subprocess
     import sys
@@ -451,7 +671,7 @@ def test_kernel_compiles_for_gpu_targets(sm, bits, td, gather, even_k, want):
     root = Path(fused_moe.__file__).parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
     res = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, *map(str, (sm, bits, td, gather, even_k))],
+        [sys.executable, "-c", _AOT_SCRIPT, *map(str, (sm, bits, td, gather, even_k, pair))],
         capture_output=True,
         text=True,
         env=env,
@@ -460,4 +680,9 @@ def test_kernel_compiles_for_gpu_targets(sm, bits, td, gather, even_k, want):
     if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("no ptxas in this triton install")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert want <= set(res.stdout.split()), res.stdout
+    tags = set(res.stdout.split())
+    assert want <= tags, res.stdout
+    # scales and zeros: a (BLOCK_N, GROUPS) vector per K step, not one load per B element
+    # (64 x 256 elements per tile over 128 threads would be 128 scalar loads per thread)
+    b16 = int(next(t for t in tags if t.startswith("B16LOADS=")).split("=")[1])
+    assert b16 <= 16, res.stdout

@@ -35,6 +35,12 @@ class TritonMoEConfig:
     num_warps: int = 4
     num_stages: int = 2
     use_td: bool | None = None  # a tuned opinion on tensor descriptors; None = let td_gate decide
+    SPLIT_K: int = 1  # K slices per output tile; > 1 writes float32 partials that the next kernel sums
+
+    @property
+    def per_pair(self) -> bool:
+        """BLOCK_SIZE_M == 1: one routed pair per program, no token alignment, no tl.dot (decode GEMV)."""
+        return self.BLOCK_SIZE_M == 1
 
     def __post_init__(self) -> None:
         if not _is_pow2(self.BLOCK_SIZE_M):
@@ -49,6 +55,8 @@ class TritonMoEConfig:
             raise ValueError(f"num_warps={self.num_warps} must be one of {list(_WARPS)}")
         if self.num_stages < 1:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        if not _is_pow2(self.SPLIT_K) or self.SPLIT_K > 16:
+            raise ValueError(f"SPLIT_K={self.SPLIT_K} must be a power of two in [1, 16]")
         if self.use_td not in (None, True, False):
             raise ValueError(f"use_td={self.use_td!r} must be None, True or False")
 
@@ -99,7 +107,8 @@ def load_tuned_configs(
 
 
 def _pick_block_k(K: int, group_size: int, wish: int) -> int:
-    """Largest power of two <= wish (>= 16) that is legal for the group size, preferring one that divides K."""
+    """Largest power of two <= wish (>= 16) legal for the group size whose K tail wastes <= 1/8 of
+    the K loop (K=1344: 128, not 256; K=2048: 256), else the legal one that wastes least."""
     legal = [
         bk
         for bk in (256, 128, 64, 32, 16)
@@ -107,39 +116,73 @@ def _pick_block_k(K: int, group_size: int, wish: int) -> int:
     ]
     if not legal:
         return 16  # only reachable for group sizes that are not multiples of 16: check_shape reports it
+    waste = {bk: (-(-K // bk) * bk - K) / K for bk in legal}
     for bk in legal:
-        if K % bk == 0:
+        if waste[bk] <= 0.125:
             return bk
-    return legal[0]
+    return min(legal, key=lambda bk: (waste[bk], -bk))
 
 
+NUM_SMS_HINT = 132  # H100/H200; the heuristic only needs the order of magnitude
+MIN_PROGRAMS = 2 * NUM_SMS_HINT  # two programs per SM: one streams while the other dequantizes
+
+
+def expected_experts_hit(pairs: int, E: int) -> float:
+    """E * (1 - (1 - 1/E)**pairs): distinct experts hit by `pairs` uniform routed pairs."""
+    return E * (1.0 - (1.0 - 1.0 / E) ** pairs) if E > 1 else 1.0
+
+
+@functools.lru_cache(maxsize=4096)
 def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, bits: int) -> TritonMoEConfig:
-    """GPU-blind heuristic (not yet measured): small tiles over M, wide parallelism over N for decode.
+    """GPU-blind heuristic for one GEMM, pending H200 tuning (bench/tune.py writes the tuned JSON).
 
-    Decode (few tokens per expert) is bound by the weight bytes: BLOCK_SIZE_M=16 (the
-    smallest tl.dot tile), BLOCK_SIZE_K=128 so each B row is one 64-byte (int4) or
-    128-byte (int8) contiguous load, and BLOCK_SIZE_N shrunk from 128 until the grid
-    has >= 256 programs (about two waves of an H100/H200's 132 SMs). Prefill uses
-    64x128x64 tiles with grouped ordering.
+    Decode is bound by the weight bytes, so every regime asks for wide, deep B loads:
+    BLOCK_SIZE_K=256 where the group size allows it (int4 rows of 128 bytes: 16-byte
+    vector / cp.async loads per thread) and 4 stages in flight.
+      per pair   while routed pairs rarely share an expert (pairs / experts hit <= 1.15:
+                 M=1 always, M <= 4 at E=128 top8) BLOCK_SIZE_M=1: one pair per program,
+                 no alignment launch, a GEMV without tl.dot.
+      small M    (<= 16 tokens per expert) BLOCK_SIZE_M=16 tl.dot tiles.
+      larger M   32 / 64 row tiles with grouped ordering, BLOCK_SIZE_K 128 / 64.
+    BLOCK_SIZE_N shrinks from 128 (64 per pair) until the grid has >= 2 programs per SM;
+    if it is still short and K has >= 8 tiles, SPLIT_K (2 or 4) fills it.
     """
-    tokens_per_expert = M * top_k / max(E, 1)
-    active_experts = min(E, M * top_k)
-    if tokens_per_expert <= 16:
-        bm, bk_wish, group_m, stages = 16, 128, 1, 3
+    pairs = max(1, M * top_k)
+    hit = expected_experts_hit(pairs, E)
+    tokens_per_expert = pairs / hit
+    gs = K if group_size == -1 else group_size
+    if pairs / hit <= 1.15:
+        bm, bk_wish, group_m, warps, stages, bn = 1, 256, 1, 4, 4, 64
+        m_blocks = pairs
+    elif tokens_per_expert <= 16:
+        bm, bk_wish, group_m, warps, stages, bn = 16, 256, 1, 4, 4, 128
+        m_blocks = hit
     elif tokens_per_expert <= 64:
-        bm, bk_wish, group_m, stages = 32, 128, 8, 3
+        bm, bk_wish, group_m, warps, stages, bn = 32, 128, 8, 4, 4, 128
+        m_blocks = hit * -(-int(tokens_per_expert) // 32)
     else:
-        bm, bk_wish, group_m, stages = 64, 64, 8, 3
-    m_blocks = max(1, active_experts) * max(1, -(-int(tokens_per_expert) // bm))
-    bn = 128
-    while bn > 32 and m_blocks * -(-N // bn) < 256:
+        bm, bk_wish, group_m, warps, stages, bn = 64, 64, 8, 8, 3, 128
+        m_blocks = hit * -(-int(tokens_per_expert) // 64)
+    m_blocks = max(1, int(m_blocks))
+    while bn > 32 and m_blocks * -(-N // bn) < MIN_PROGRAMS:
         bn //= 2
-    bk = _pick_block_k(K, group_size, bk_wish)
+    bk = _pick_block_k(K, gs, bk_wish)
+    split = 1
+    k_tiles = -(-K // bk)
+    while split < 4 and m_blocks * -(-N // bn) * split < MIN_PROGRAMS and k_tiles // (2 * split) >= 4:
+        split *= 2
     return TritonMoEConfig(
-        BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=group_m, num_warps=4, num_stages=stages
+        BLOCK_SIZE_M=bm,
+        BLOCK_SIZE_N=bn,
+        BLOCK_SIZE_K=bk,
+        GROUP_SIZE_M=group_m,
+        num_warps=warps,
+        num_stages=stages,
+        SPLIT_K=split,
     )
 
 
+@functools.lru_cache(maxsize=4096)
 def get_triton_moe_config(
     M: int,
     E: int,
@@ -168,4 +211,11 @@ def get_triton_moe_config(
     return cfg
 
 
-__all__ = ["TritonMoEConfig", "config_file_name", "default_config", "get_triton_moe_config", "load_tuned_configs"]
+__all__ = [
+    "TritonMoEConfig",
+    "config_file_name",
+    "default_config",
+    "expected_experts_hit",
+    "get_triton_moe_config",
+    "load_tuned_configs",
+]

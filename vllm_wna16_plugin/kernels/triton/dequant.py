@@ -52,15 +52,44 @@ def _dequant_b_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUPS: tl.constexpr,  # scale groups inside one K tile (1 when group_size >= BLOCK_K)
+    BITS: tl.constexpr,
     compute_type: tl.constexpr,
     RNE_BY_HAND: tl.constexpr,  # see _round_to
 ):
-    """w = (q - zero) * scale per group of BLOCK_K // GROUPS columns, rounded to compute_type."""
-    qf = q.to(tl.float32)
-    if GROUPS == 1:
-        w = (qf - zero) * scale
+    """w = (q - zero) * scale per group of BLOCK_K // GROUPS columns, rounded to compute_type.
+
+    The scale and zero of a group are loaded once per (group, n-tile) and broadcast along
+    K. On the GPU the math runs in compute_type and is bit-identical to float32 math then
+    one rounding: q - z is a small integer (exact), and one multiply rounds the exact
+    product once. int4 (and fp16 int8) skip the int->float convert: (MAGIC | q) bitcast is
+    MAGIC_VALUE + q exactly (bf16 0x4300 = 128 for q < 128; fp16 0x6400 = 1024 for q < 1024).
+    RNE_BY_HAND (the bf16 interpreter, which has neither bf16 bitcasts nor bf16 rounding)
+    runs the float32 form.
+    """
+    if RNE_BY_HAND:
+        qf = q.to(tl.float32)
+        if GROUPS == 1:
+            w = (qf - zero) * scale
+        else:
+            q3 = tl.reshape(qf, (BLOCK_N, GROUPS, BLOCK_K // GROUPS))
+            w3 = (q3 - zero[:, :, None]) * scale[:, :, None]
+            w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
+        return _round_to(w, compute_type, RNE_BY_HAND)
     else:
-        q3 = tl.reshape(qf, (BLOCK_N, GROUPS, BLOCK_K // GROUPS))
-        w3 = (q3 - zero[:, :, None]) * scale[:, :, None]
-        w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
-    return _round_to(w, compute_type, RNE_BY_HAND)
+        if compute_type == tl.float16:
+            qc = (q.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+            zc = (zero + 1024.0).to(tl.float16)
+        elif BITS == 4:
+            qc = (q.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
+            zc = (zero + 128.0).to(tl.bfloat16)
+        else:
+            qc = q.to(compute_type)
+            zc = zero.to(compute_type)
+        sc = scale.to(compute_type)
+        if GROUPS == 1:
+            w = (qc - zc) * sc
+        else:
+            q3 = tl.reshape(qc, (BLOCK_N, GROUPS, BLOCK_K // GROUPS))
+            w3 = (q3 - zc[:, :, None]) * sc[:, :, None]
+            w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
+        return w

@@ -4,8 +4,17 @@
 
 with W13/W2 int4 or int8 in the kernel layout of packing.py (uint8, packed along K,
 even k in the low nibble), dequantized in-kernel as w = (q - z) * s in float32 and
-accumulated in float32. One kernel runs both GEMMs; it has two ways to load the B
-tile, chosen per launch by td_gate.decide_td:
+accumulated in float32 (the dequant math runs in the activation dtype, bit-identical to
+float32 math and one rounding; see dequant.py). Two kernels run either GEMM:
+
+  _fused_moe_wna16_kernel       tl.dot tiles over token-aligned blocks (BLOCK_SIZE_M > 1).
+  _fused_moe_wna16_pair_kernel  decode (BLOCK_SIZE_M == 1): one routed pair per program,
+                                no alignment, a GEMV without tl.dot.
+
+Either may split K (SPLIT_K > 1: float32 partials, summed deterministically by the next
+kernel: activation.py's gated activation after GEMM1, its top-k sum after GEMM2).
+Both share the B-tile/dequant helpers and have two ways to load the B tile, chosen per
+launch by td_gate.decide_td:
 
   pointer path  (BLOCK_N, BLOCK_K*bits/8) bytes, K-contiguous: wide row loads.
   TD path       the same bytes through a 3-D descriptor (E, N, K*bits/8), and
@@ -21,11 +30,11 @@ import functools
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from vllm_wna16_plugin.kernels.align import moe_align_block_size_torch
+from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton, moe_sum_triton
 from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig, get_triton_moe_config
 from vllm_wna16_plugin.kernels.triton.dequant import _dequant_b_tile, _round_to, _unpack_b_tile, _unpack_zero_points
 from vllm_wna16_plugin.kernels.triton.td_gate import TDDecision, decide_td, td_request_from_env
@@ -46,15 +55,35 @@ def _load_a_tile_ptr(a_ptr, a_rows, row_mask, offs_k, k0, K: tl.constexpr, strid
 
 
 @triton.jit
-def _load_b_bytes_ptr(
-    b_ptr, expert, offs_n, offs_kb, kb0, KB: tl.constexpr, stride_be, stride_bn, EVEN_K: tl.constexpr
+def _load_b_tile(
+    b_ptr,
+    b_desc,
+    expert,
+    offs_n,
+    offs_kb,
+    n0,
+    k0,
+    KB: tl.constexpr,
+    stride_be,
+    stride_bn,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TD: tl.constexpr,
 ):
-    """(BLOCK_N, BLOCK_KB) packed bytes of B by pointer; each row is one contiguous run."""
-    ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bn + (kb0 + offs_kb)[None, :]
-    if EVEN_K:
-        return tl.load(ptrs)
+    """(BLOCK_N, BLOCK_KB) packed bytes of B for K offset k0: each row one contiguous run of
+    BLOCK_K*BITS/8 bytes (16-byte vectors / cp.async per thread), by pointer or through the
+    3-D descriptor (whose reads past K are zero-filled)."""
+    kb0 = k0 * BITS // 8
+    if USE_TD:
+        return tl.reshape(b_desc.load([expert.to(tl.int32), n0, kb0]), (BLOCK_N, BLOCK_KB))
     else:
-        return tl.load(ptrs, mask=(kb0 + offs_kb)[None, :] < KB, other=0)
+        ptrs = b_ptr + expert * stride_be + offs_n[:, None] * stride_bn + (kb0 + offs_kb)[None, :]
+        if EVEN_K:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=(kb0 + offs_kb)[None, :] < KB, other=0)
 
 
 @triton.jit
@@ -103,10 +132,66 @@ def _load_group_params(
 
 
 @triton.jit
+def _dequant_k_step(
+    b_ptr,
+    b_desc,
+    s_ptr,
+    z_ptr,
+    expert,
+    offs_n,
+    offs_kb,
+    n0,
+    k0,
+    stride_be,
+    stride_bn,
+    stride_se,
+    stride_sn,
+    stride_sg,
+    stride_ze,
+    stride_zn,
+    stride_zg,
+    K: tl.constexpr,
+    group_size: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TD: tl.constexpr,
+    compute_type: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The dequantized (BLOCK_N, BLOCK_K) tile of B at K offset k0, in compute_type: one B
+    load, one (BLOCK_N, GROUPS) scale (and zero) load for the groups it spans."""
+    BLOCK_KB: tl.constexpr = BLOCK_K * BITS // 8
+    packed = _load_b_tile(
+        b_ptr, b_desc, expert, offs_n, offs_kb, n0, k0, K * BITS // 8, stride_be, stride_bn,
+        BITS, BLOCK_N, BLOCK_KB, EVEN_K, USE_TD,
+    )  # fmt: skip
+    q = _unpack_b_tile(packed, BITS)
+    scale, zero = _load_group_params(
+        s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
+        stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_N, BITS, HAS_ZP, EVEN_K,
+    )  # fmt: skip
+    return _dequant_b_tile(q, scale, zero, BLOCK_N, BLOCK_K, GROUPS, BITS, compute_type, INTERPRET_BF16)
+
+
+@triton.jit
+def _store_c(c_ptrs, acc, c_mask, SPLIT_K: tl.constexpr, compute_type: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """SPLIT_K == 1: the finished tile in compute_type; else this slice's float32 partial."""
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, _round_to(acc, compute_type, INTERPRET_BF16), mask=c_mask)
+    else:
+        tl.store(c_ptrs, acc, mask=c_mask)
+
+
+@triton.jit
 def _fused_moe_wna16_kernel(
     a_ptr,  # (num_a_rows, K) compute dtype
     b_ptr,  # (E, N, K*BITS//8) uint8
-    c_ptr,  # (num_valid_tokens, N) compute dtype
+    c_ptr,  # (num_valid_tokens, N) compute dtype, or (SPLIT_K, num_valid_tokens, N) float32
     s_ptr,  # (E, N, NUM_GROUPS) compute dtype
     z_ptr,  # (E, N*BITS//8, NUM_GROUPS) uint8, unused unless HAS_ZP
     topk_weights_ptr,  # (num_valid_tokens,) float
@@ -120,6 +205,7 @@ def _fused_moe_wna16_kernel(
     stride_ak,
     stride_be,
     stride_bn,
+    stride_cs,
     stride_cm,
     stride_cn,
     stride_se,
@@ -130,7 +216,7 @@ def _fused_moe_wna16_kernel(
     stride_zg,
     N: tl.constexpr,
     K: tl.constexpr,
-    EM_GRID: tl.constexpr,
+    EM_GRID,  # runtime: live M-blocks bound (a constexpr would recompile per batch size)
     group_size: tl.constexpr,  # K elements per scale; channel-wise passes a power of two >= K
     NUM_GROUPS: tl.constexpr,  # cdiv(K, group_size): the scales' last dim
     GROUPS: tl.constexpr,  # scale groups per K tile: max(1, BLOCK_SIZE_K // group_size)
@@ -138,9 +224,10 @@ def _fused_moe_wna16_kernel(
     BITS: tl.constexpr,
     HAS_ZP: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_SIZE_K == 0 and the K tiles split evenly over SPLIT_K
     USE_TD: tl.constexpr,
     USE_TD_GATHER: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     compute_type: tl.constexpr,
     INTERPRET_BF16: tl.constexpr,  # Triton-interpreter bf16 work-arounds; see _interpret_bf16()
     BLOCK_SIZE_M: tl.constexpr,
@@ -150,14 +237,18 @@ def _fused_moe_wna16_kernel(
 ):
     """C[p, :] = (w_p if MUL_ROUTED_WEIGHT) * A[p // top_k] @ dequant(B[e_p]).T for routed pairs p.
 
-    Grid: (cdiv(EM_GRID, BLOCK_SIZE_M) * cdiv(N, BLOCK_SIZE_N),). A block of sorted
-    pairs whose expert is -1 writes zeros. Requires group_size % BLOCK_SIZE_K == 0 or
-    BLOCK_SIZE_K % group_size == 0 (configs.TritonMoEConfig.check_shape).
+    Grid: (cdiv(EM_GRID, BLOCK_SIZE_M) * cdiv(N, BLOCK_SIZE_N), SPLIT_K). A block of sorted
+    pairs whose expert is -1 writes zeros. Slice s of SPLIT_K covers K tiles
+    [s*T, (s+1)*T), T = cdiv(cdiv(K, BLOCK_SIZE_K), SPLIT_K), and writes C[s] in float32.
+    Requires group_size % BLOCK_SIZE_K == 0 or BLOCK_SIZE_K % group_size == 0
+    (configs.TritonMoEConfig.check_shape).
     """
     KB: tl.constexpr = K * BITS // 8
     BLOCK_KB: tl.constexpr = BLOCK_SIZE_K * BITS // 8
+    TILES_PER_SPLIT: tl.constexpr = (K + BLOCK_SIZE_K * SPLIT_K - 1) // (BLOCK_SIZE_K * SPLIT_K)
 
     pid = tl.program_id(axis=0)
+    split = tl.program_id(axis=1)
     num_pid_m = tl.cdiv(EM_GRID, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(N, BLOCK_SIZE_N)
     num_pid_in_group = GROUP_SIZE_M * num_pid_n
@@ -174,12 +265,13 @@ def _fused_moe_wna16_kernel(
     pairs = tl.load(sorted_token_ids_ptr + offs_pair).to(tl.int64)
     pair_mask = pairs < num_valid_tokens
     offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_cn[None, :] * stride_cn
+    c_ptrs = c_ptr + split.to(tl.int64) * stride_cs + pairs[:, None] * stride_cm + offs_cn[None, :] * stride_cn
     c_mask = pair_mask[:, None] & (offs_cn[None, :] < N)
 
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if expert == -1:
-        tl.store(c_ptrs, tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=compute_type), mask=c_mask)
+        _store_c(c_ptrs, tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32), c_mask, SPLIT_K, compute_type,
+                 INTERPRET_BF16)  # fmt: skip
         return
 
     # Columns past N wrap (pointer loads stay in bounds); the store masks them.
@@ -187,6 +279,7 @@ def _fused_moe_wna16_kernel(
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     offs_kb = tl.arange(0, BLOCK_KB)
     a_rows = pairs // top_k  # padding pairs land on row num_a_rows: masked / out of the descriptor
+    b_desc = None
     if USE_TD:
         b_desc = tl.make_tensor_descriptor(
             b_ptr, shape=[E, N, KB], strides=[stride_be, stride_bn, 1], block_shape=[1, BLOCK_SIZE_N, BLOCK_KB]
@@ -198,39 +291,18 @@ def _fused_moe_wna16_kernel(
         a_rows32 = a_rows.to(tl.int32)
 
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
-        k0 = k * BLOCK_SIZE_K
+    for k in range(0, TILES_PER_SPLIT):
+        k0 = (split * TILES_PER_SPLIT + k) * BLOCK_SIZE_K
         if USE_TD_GATHER:
             a = a_desc.gather(a_rows32, k0)
         else:
             a = _load_a_tile_ptr(a_ptr, a_rows, pair_mask, offs_k, k0, K, stride_am, stride_ak, EVEN_K)
-        if USE_TD:
-            packed = tl.reshape(
-                b_desc.load([expert.to(tl.int32), pid_n * BLOCK_SIZE_N, k0 * BITS // 8]), (BLOCK_SIZE_N, BLOCK_KB)
-            )
-        else:
-            packed = _load_b_bytes_ptr(b_ptr, expert, offs_n, offs_kb, k0 * BITS // 8, KB, stride_be, stride_bn, EVEN_K)
-        q = _unpack_b_tile(packed, BITS)
-        scale, zero = _load_group_params(
-            s_ptr,
-            z_ptr,
-            expert,
-            offs_n,
-            k0 // group_size,
-            stride_se,
-            stride_sn,
-            stride_sg,
-            stride_ze,
-            stride_zn,
-            stride_zg,
-            NUM_GROUPS,
-            GROUPS,
-            BLOCK_SIZE_N,
-            BITS,
-            HAS_ZP,
-            EVEN_K,
-        )
-        w = _dequant_b_tile(q, scale, zero, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUPS, compute_type, INTERPRET_BF16)
+        w = _dequant_k_step(
+            b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0,
+            stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+            K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
+            BLOCK_SIZE_N, BLOCK_SIZE_K,
+        )  # fmt: skip
         if INTERPRET_BF16:
             acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc=acc)
         else:
@@ -239,7 +311,99 @@ def _fused_moe_wna16_kernel(
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
-    tl.store(c_ptrs, _round_to(acc, compute_type, INTERPRET_BF16), mask=c_mask)
+    _store_c(c_ptrs, acc, c_mask, SPLIT_K, compute_type, INTERPRET_BF16)
+
+
+@triton.jit
+def _fused_moe_wna16_pair_kernel(
+    a_ptr,  # (num_a_rows, K) compute dtype
+    b_ptr,  # (E, N, K*BITS//8) uint8
+    c_ptr,  # (num_pairs, N) compute dtype, or (SPLIT_K, num_pairs, N) float32
+    s_ptr,  # (E, N, NUM_GROUPS) compute dtype
+    z_ptr,  # (E, N*BITS//8, NUM_GROUPS) uint8, unused unless HAS_ZP
+    topk_weights_ptr,  # (num_pairs,) float
+    topk_ids_ptr,  # (num_pairs,) int, global expert ids
+    expert_map_ptr,  # (E_global,) int: local id or -1, read when HAS_EXPERT_MAP
+    E,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cs,
+    stride_cm,
+    stride_se,
+    stride_sn,
+    stride_sg,
+    stride_ze,
+    stride_zn,
+    stride_zg,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    group_size: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    top_k: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HAS_EXPERT_MAP: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_TD: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    compute_type: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,  # the loop's software pipeline depth (Triton pipelines non-dot loads only when asked)
+):
+    """The decode form (BLOCK_SIZE_M == 1): C[p] as in _fused_moe_wna16_kernel, one routed pair p per program.
+
+    Grid: (num_pairs, cdiv(N, BLOCK_SIZE_N), SPLIT_K). No token alignment (the expert is
+    topk_ids[p], through expert_map) and no tl.dot: a GEMV that multiplies the A row into
+    the dequantized tile elementwise in float32 and reduces along K once, after the loop.
+    """
+    KB: tl.constexpr = K * BITS // 8
+    BLOCK_KB: tl.constexpr = BLOCK_SIZE_K * BITS // 8
+    TILES_PER_SPLIT: tl.constexpr = (K + BLOCK_SIZE_K * SPLIT_K - 1) // (BLOCK_SIZE_K * SPLIT_K)
+    pair = tl.program_id(axis=0).to(tl.int64)
+    pid_n = tl.program_id(axis=1)
+    split = tl.program_id(axis=2)
+    offs_cn = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    c_ptrs = c_ptr + split.to(tl.int64) * stride_cs + pair * stride_cm + offs_cn
+    c_mask = offs_cn < N
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    if HAS_EXPERT_MAP:
+        expert = tl.load(expert_map_ptr + expert).to(tl.int64)
+    if expert == -1:
+        _store_c(c_ptrs, tl.zeros((BLOCK_SIZE_N,), dtype=tl.float32), c_mask, SPLIT_K, compute_type, INTERPRET_BF16)
+        return
+
+    offs_n = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    offs_kb = tl.arange(0, BLOCK_KB)
+    a_row_ptr = a_ptr + (pair // top_k) * stride_am
+    b_desc = None
+    if USE_TD:
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr, shape=[E, N, KB], strides=[stride_be, stride_bn, 1], block_shape=[1, BLOCK_SIZE_N, BLOCK_KB]
+        )
+    acc = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_K), dtype=tl.float32)
+    for k in tl.range(0, TILES_PER_SPLIT, num_stages=NUM_STAGES):  # B by cp.async, NUM_STAGES deep
+        k0 = (split * TILES_PER_SPLIT + k) * BLOCK_SIZE_K
+        if EVEN_K:
+            a = tl.load(a_row_ptr + k0 + offs_k)
+        else:
+            a = tl.load(a_row_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+        w = _dequant_k_step(
+            b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0,
+            stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+            K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
+            BLOCK_SIZE_N, BLOCK_SIZE_K,
+        )  # fmt: skip
+        acc += a.to(tl.float32)[None, :] * w.to(tl.float32)
+    out = tl.sum(acc, axis=1)
+    if MUL_ROUTED_WEIGHT:
+        out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    _store_c(c_ptrs, out, c_mask, SPLIT_K, compute_type, INTERPRET_BF16)
 
 
 # ---------------------------------------------------------------- host side
@@ -269,18 +433,25 @@ def _interpret_bf16(dtype: torch.dtype) -> bool:
     return _is_interpreter() and dtype == torch.bfloat16
 
 
-def _platform_of(device: torch.device) -> tuple[str, int | None]:
-    """(platform, sm) for td_gate.decide_td; the only hardware query of the launcher."""
+@functools.lru_cache(maxsize=16)
+def _device_info(device: torch.device) -> tuple[str, int | None, str | None]:
+    """(platform, sm, device_name) for td_gate.decide_td and the tuned-config lookup; the
+    launcher's only hardware query, cached per device (no driver call on the hot path)."""
     if _is_interpreter():
-        return "interpreter", None
+        return "interpreter", None, None
     if device.type == "cuda":
         if torch.version.hip:
-            return "rocm", None
+            return "rocm", None, torch.cuda.get_device_name(device)
         major, minor = torch.cuda.get_device_capability(device)
-        return "cuda", major * 10 + minor
+        return "cuda", major * 10 + minor, torch.cuda.get_device_name(device)
     if device.type == "xpu":
-        return "xpu", None
-    return "cpu", None
+        return "xpu", None, None
+    return "cpu", None, None
+
+
+def _platform_of(device: torch.device) -> tuple[str, int | None]:
+    """(platform, sm) for td_gate.decide_td."""
+    return _device_info(device)[:2]
 
 
 def _aligned(*tensors: torch.Tensor | None) -> bool:
@@ -295,28 +466,42 @@ def _kernel_group_size(K: int, num_groups: int, block_size_k: int) -> int:
     return K // num_groups
 
 
+def _even_k(K: int, config: TritonMoEConfig) -> bool:
+    """No K tail: K % BLOCK_SIZE_K == 0 and the K tiles split evenly over SPLIT_K."""
+    tiles, rem = divmod(K, config.BLOCK_SIZE_K)
+    return rem == 0 and tiles % config.SPLIT_K == 0
+
+
+def split_k_buffer_shape(num_pairs: int, N: int, config: TritonMoEConfig) -> tuple[int, ...]:
+    """The shape of a GEMM's output c: (num_pairs, N), or (SPLIT_K, num_pairs, N) float32 partials."""
+    return (num_pairs, N) if config.SPLIT_K == 1 else (config.SPLIT_K, num_pairs, N)
+
+
 def invoke_wna16_gemm(
     a: torch.Tensor,  # (num_a_rows, K) bf16/fp16, K-contiguous
     qweight: torch.Tensor,  # (E, N, K*bits/8) uint8
     scales: torch.Tensor,  # (E, N, G)
     qzeros: torch.Tensor | None,  # (E, N*bits/8, G) uint8
-    c: torch.Tensor,  # (num_pairs, N) out, a.dtype
+    c: torch.Tensor,  # (num_pairs, N) a.dtype, or (SPLIT_K, num_pairs, N) float32 when config.SPLIT_K > 1
     topk_weights: torch.Tensor | None,  # (num_pairs,) float, read when mul_routed_weight
-    sorted_token_ids: torch.Tensor,
-    expert_ids: torch.Tensor,
-    num_tokens_post_padded: torch.Tensor,
+    sorted_token_ids: torch.Tensor | None,  # the alignment; unused (None) when config.BLOCK_SIZE_M == 1
+    expert_ids: torch.Tensor | None,
+    num_tokens_post_padded: torch.Tensor | None,
     *,
     bits: int,
     top_k: int,  # A row of pair p is p // top_k
     mul_routed_weight: bool,
     config: TritonMoEConfig,
     td: TDDecision,
+    topk_ids: torch.Tensor | None = None,  # (num_pairs,) int global ids: the routing when BLOCK_SIZE_M == 1
+    expert_map: torch.Tensor | None = None,  # (E_global,) int, applied to topk_ids when BLOCK_SIZE_M == 1
 ) -> torch.Tensor:
-    """One grouped GEMM: c[p] = (w_p) * a[p // top_k] @ dequant(qweight[e_p]).T over the sorted pairs.
+    """One grouped GEMM: c[p] = (w_p) * a[p // top_k] @ dequant(qweight[e_p]).T over the routed pairs.
 
-    Every row of c named by sorted_token_ids is written (zeros for expert -1). `td`
-    is taken as given (callers get it from td_gate.decide_td); `config` must pass
-    check_shape for this K.
+    Every row of c named by sorted_token_ids (or every pair, per-pair form) is written
+    (zeros for expert -1); with SPLIT_K > 1, c[s] holds K slice s in float32. `td` is
+    taken as given (callers get it from td_gate.decide_td; the per-pair form never
+    gathers A); `config` must pass check_shape for this K.
     """
     E, N, _ = qweight.shape
     K = a.shape[1]
@@ -325,32 +510,26 @@ def invoke_wna16_gemm(
     group_size = _kernel_group_size(K, num_groups, config.BLOCK_SIZE_K)
     if td.use_td_b or td.use_gather:
         _ensure_td_allocator()
-    num_pairs = c.shape[0]
-    bm, bn = config.BLOCK_SIZE_M, config.BLOCK_SIZE_N
-    # At most num_pairs non-empty M-blocks exist, so blocks past num_pairs * BLOCK_SIZE_M are never live.
-    em_grid = min(sorted_token_ids.numel(), num_pairs * bm)
-    grid = (triton.cdiv(em_grid, bm) * triton.cdiv(N, bn),)
+    split = config.SPLIT_K
+    num_pairs = c.shape[-2]
+    if split > 1 and (c.dim() != 3 or c.shape[0] != split or c.dtype != torch.float32):
+        raise ValueError(f"SPLIT_K={split} needs c of shape (SPLIT_K, num_pairs, N) float32, got {tuple(c.shape)}")
+    c3 = c if c.dim() == 3 else c.unsqueeze(0)
     has_zp = qzeros is not None
     zp = qzeros if has_zp else qweight  # any uint8 tensor: never read when HAS_ZP is False
-    _fused_moe_wna16_kernel[grid](
+    common = dict(
         a_ptr=a,
         b_ptr=qweight,
-        c_ptr=c,
+        c_ptr=c3,
         s_ptr=scales,
         z_ptr=zp,
         topk_weights_ptr=topk_weights if topk_weights is not None else scales,
-        sorted_token_ids_ptr=sorted_token_ids,
-        expert_ids_ptr=expert_ids,
-        num_tokens_post_padded_ptr=num_tokens_post_padded,
-        num_a_rows=a.shape[0],
-        num_valid_tokens=num_pairs,
         E=E,
         stride_am=a.stride(0),
-        stride_ak=a.stride(1),
         stride_be=qweight.stride(0),
         stride_bn=qweight.stride(1),
-        stride_cm=c.stride(0),
-        stride_cn=c.stride(1),
+        stride_cs=c3.stride(0),
+        stride_cm=c3.stride(1),
         stride_se=scales.stride(0),
         stride_sn=scales.stride(1),
         stride_sg=scales.stride(2),
@@ -359,7 +538,6 @@ def invoke_wna16_gemm(
         stride_zg=zp.stride(2) if has_zp else 0,
         N=N,
         K=K,
-        EM_GRID=em_grid,
         group_size=group_size,
         NUM_GROUPS=num_groups,
         GROUPS=max(1, config.BLOCK_SIZE_K // group_size),
@@ -367,17 +545,45 @@ def invoke_wna16_gemm(
         BITS=bits,
         HAS_ZP=has_zp,
         MUL_ROUTED_WEIGHT=mul_routed_weight,
-        EVEN_K=K % config.BLOCK_SIZE_K == 0,
+        EVEN_K=_even_k(K, config),
         USE_TD=td.use_td_b,
-        USE_TD_GATHER=td.use_gather,
+        SPLIT_K=split,
         compute_type=_COMPUTE_TYPES[a.dtype],
         INTERPRET_BF16=_interpret_bf16(a.dtype),
-        BLOCK_SIZE_M=bm,
-        BLOCK_SIZE_N=bn,
+        BLOCK_SIZE_N=config.BLOCK_SIZE_N,
         BLOCK_SIZE_K=config.BLOCK_SIZE_K,
-        GROUP_SIZE_M=config.GROUP_SIZE_M,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+    )
+    if config.per_pair:
+        if topk_ids is None or c3.stride(2) != 1:
+            raise ValueError("BLOCK_SIZE_M=1 (per pair) needs topk_ids and a row-contiguous c")
+        grid = (num_pairs, triton.cdiv(N, config.BLOCK_SIZE_N), split)
+        _fused_moe_wna16_pair_kernel[grid](
+            topk_ids_ptr=topk_ids,
+            expert_map_ptr=expert_map if expert_map is not None else topk_ids,
+            HAS_EXPERT_MAP=expert_map is not None,
+            NUM_STAGES=config.num_stages,
+            **common,
+        )
+        return c
+    bm, bn = config.BLOCK_SIZE_M, config.BLOCK_SIZE_N
+    # At most num_pairs non-empty M-blocks exist, so blocks past num_pairs * BLOCK_SIZE_M are never live.
+    em_grid = min(sorted_token_ids.numel(), num_pairs * bm)
+    grid = (triton.cdiv(em_grid, bm) * triton.cdiv(N, bn), split)
+    _fused_moe_wna16_kernel[grid](
+        sorted_token_ids_ptr=sorted_token_ids,
+        expert_ids_ptr=expert_ids,
+        num_tokens_post_padded_ptr=num_tokens_post_padded,
+        num_a_rows=a.shape[0],
+        num_valid_tokens=num_pairs,
+        stride_ak=a.stride(1),
+        stride_cn=c3.stride(2),
+        EM_GRID=em_grid,
+        USE_TD_GATHER=td.use_gather,
+        BLOCK_SIZE_M=bm,
+        GROUP_SIZE_M=config.GROUP_SIZE_M,
+        **common,
     )
     return c
 
@@ -398,13 +604,6 @@ def _check_weights(name: str, qweight, scales, qzeros, bits: int, K: int) -> Non
         want = (E, N * bits // 8, scales.shape[-1])
         if qzeros.dtype != torch.uint8 or tuple(qzeros.shape) != want:
             raise ValueError(f"{name}_qzeros must be {want} uint8, got {tuple(qzeros.shape)} {qzeros.dtype}")
-
-
-def _gated_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(h[:, :I]) * h[:, I:] in float32, returned in h.dtype."""
-    gate, up = h.float().chunk(2, dim=-1)
-    act = F.silu(gate) if activation == "silu" else F.gelu(gate)
-    return (act * up).to(h.dtype)
 
 
 def _as_pair(configs) -> tuple[TritonMoEConfig | None, TritonMoEConfig | None]:
@@ -446,6 +645,11 @@ def fused_moe_wna16_triton(
     pointers. configs: one config for both GEMMs or a (gemm1, gemm2) pair; default
     configs.get_triton_moe_config. align_fn: moe_align_block_size(topk_ids, block_size,
     num_experts, expert_map) -> (sorted_token_ids, expert_ids, num_tokens_post_padded).
+
+    GPU work per call, no host sync (CUDA-graph capturable): one align launch per distinct
+    BLOCK_SIZE_M > 1 (none when both GEMMs run per pair), GEMM1, the gated activation
+    (which also sums GEMM1's split-K partials), GEMM2, and the top-k sum (which sums
+    GEMM2's partials; skipped when top_k == 1 and GEMM2 is unsplit: GEMM2 writes `out`).
     """
     if bits not in (4, 8):
         raise ValueError(f"bits={bits} is not supported; supported: [4, 8]")
@@ -478,24 +682,23 @@ def fused_moe_wna16_triton(
         global_num_experts = expert_map.numel() if expert_map is not None else E
     align_fn = align_fn or moe_align_block_size_torch
     requested = use_td if use_td is not None else td_request_from_env()
-    platform, sm = _platform_of(x.device)
+    platform, sm, device_name = _device_info(x.device)
     if platform == "cpu":
         raise ValueError(
             f"x is on {x.device}: the Triton kernel needs a CUDA or XPU device (or TRITON_INTERPRET=1 "
             "set before triton is imported); on CPU use reference.fused_moe_wna16_ref"
         )
-    device_name = torch.cuda.get_device_name(x.device) if platform == "cuda" else None
 
     cfg1, cfg2 = _as_pair(configs)
     cfg1 = cfg1 or get_triton_moe_config(M, E, two_i, H, top_k, H // w13_scales.shape[-1], bits, device_name)
     cfg2 = cfg2 or get_triton_moe_config(M, E, H, inter, top_k, inter // w2_scales.shape[-1], bits, device_name)
 
-    x = x.contiguous()
-    weights_flat = topk_weights.reshape(-1).contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weights_flat = topk_weights.reshape(-1)
+    ids_flat = topk_ids.reshape(-1)
     num_pairs = M * top_k
 
     def gemm(a, qweight, scales, qzeros, c, cfg, a_rows_div, mul_weight, aligned_by):
-        K = a.shape[1]
         td = decide_td(
             requested=requested,
             platform=platform,
@@ -503,7 +706,7 @@ def fused_moe_wna16_triton(
             block_size_m=cfg.BLOCK_SIZE_M,
             block_size_k=cfg.BLOCK_SIZE_K,
             M=a.shape[0],
-            K=K,
+            K=a.shape[1],
             bits=bits,
             config_use_td=cfg.use_td,
             aligned=_aligned(a, qweight),
@@ -515,22 +718,32 @@ def fused_moe_wna16_triton(
             qzeros,
             c,
             weights_flat,
-            *aligned_by[cfg.BLOCK_SIZE_M],
+            *aligned_by.get(cfg.BLOCK_SIZE_M, (None, None, None)),
             bits=bits,
             top_k=a_rows_div,
             mul_routed_weight=mul_weight,
             config=cfg,
             td=td,
+            topk_ids=ids_flat,
+            expert_map=expert_map,
         )
+        return c
 
     alignments = {}
-    for bm in {cfg1.BLOCK_SIZE_M, cfg2.BLOCK_SIZE_M}:
+    for bm in {cfg1.BLOCK_SIZE_M, cfg2.BLOCK_SIZE_M} - {1}:
         alignments[bm] = align_fn(topk_ids, bm, global_num_experts, expert_map)
 
-    h = torch.empty((num_pairs, two_i), dtype=x.dtype, device=x.device)
-    gemm(x, w13_qweight, w13_scales, w13_qzeros, h, cfg1, top_k, apply_router_weight_on_input, alignments)
-    act = _gated_activation(h, activation)
-    y = torch.empty((num_pairs, H), dtype=x.dtype, device=x.device)
-    gemm(act, w2_qweight, w2_scales, w2_qzeros, y, cfg2, 1, not apply_router_weight_on_input, alignments)
-    torch.sum(y.view(M, top_k, H), dim=1, out=out)
-    return out
+    def gemm_out(N, cfg):
+        dtype = x.dtype if cfg.SPLIT_K == 1 else torch.float32
+        return torch.empty(split_k_buffer_shape(num_pairs, N, cfg), dtype=dtype, device=x.device)
+
+    h = gemm(x, w13_qweight, w13_scales, w13_qzeros, gemm_out(two_i, cfg1), cfg1, top_k,
+             apply_router_weight_on_input, alignments)  # fmt: skip
+    act = gated_activation_triton(h, activation, dtype=x.dtype)
+    if top_k == 1 and cfg2.SPLIT_K == 1 and out.stride(1) == 1:
+        # one pair per token: GEMM2's rows are the output rows
+        gemm(act, w2_qweight, w2_scales, w2_qzeros, out, cfg2, 1, not apply_router_weight_on_input, alignments)
+        return out
+    y = gemm(act, w2_qweight, w2_scales, w2_qzeros, gemm_out(H, cfg2), cfg2, 1,
+             not apply_router_weight_on_input, alignments)  # fmt: skip
+    return moe_sum_triton(y, out, top_k)

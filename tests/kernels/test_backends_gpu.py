@@ -50,15 +50,21 @@ def test_gpu_backend_matches_reference(H, I, E, top_k, bits, gs, zp, backend, M)
     ref = fused_moe_wna16_ref(*args, **kw).cpu()  # float32 torch on the GPU: independent of every kernel
     out = fused_moe_wna16(*args, group_size=gs, backend=name, use_td=use_td, **kw)
     torch.cuda.synchronize()
-    if name == "vllm_cuda":
+    assert_backend_matches(name, out.cpu(), ref, f"{backend} M={M}")
+
+
+def assert_backend_matches(backend: str, out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """bf16 tolerance of the float reference; vllm_cuda by its own, looser, measured bound."""
+    if backend == "vllm_cuda":
         # vLLM's moe_wna16_gemm accumulates partial sums in bf16 pairs: ~1% relative RMS
         # (measured on the H200, 2026-12-02); judged by relative RMS and a 4x looser max error.
-        rel = ((out.cpu().float() - ref.float()).norm() / ref.float().norm()).item()
-        max_err = (out.cpu().float() - ref.float()).abs().max().item()
-        assert not out.isnan().any() and rel < 2e-2, f"vllm_cuda M={M}: rel rms {rel:.3g}"
-        assert max_err <= 4 * ref.float().abs().max().item() * 2**-7, f"vllm_cuda M={M}: max err {max_err:.3g}"
+        # (The bf16 bound below failed on 4 of 8192 elements of the graph-replay case, 2026-12-03.)
+        rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        max_err = (out.float() - ref.float()).abs().max().item()
+        assert not out.isnan().any() and rel < 2e-2, f"{what}: rel rms {rel:.3g}"
+        assert max_err <= 4 * ref.float().abs().max().item() * 2**-7, f"{what}: max err {max_err:.3g}"
         return
-    assert_close_scaled(out.cpu(), ref, torch.bfloat16, f"{backend} M={M}")
+    assert_close_scaled(out, ref, torch.bfloat16, what)
 
 
 @pytest.mark.parametrize("backend", ["triton", "vllm_cuda"])
@@ -74,4 +80,4 @@ def test_gpu_backend_captures_in_cuda_graph(backend):
     graph.replay()
     torch.cuda.synchronize()
     ref = fused_moe_wna16_ref(*args, **kw).cpu()  # float32 torch on the GPU: independent of every kernel
-    assert_close_scaled(out.cpu(), ref, torch.bfloat16, f"{backend} graph replay")
+    assert_backend_matches(backend, out.cpu(), ref, f"{backend} graph replay")

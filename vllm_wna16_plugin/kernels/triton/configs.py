@@ -4,9 +4,10 @@ for tuned entries, and a GPU-blind fallback heuristic.
 `get_triton_moe_config(M, E, N, K, top_k, group_size, bits, device_name)` returns
 the config for one GEMM of shape (N, K) (GEMM1: N = 2I, K = H; GEMM2: N = H, K = I).
 It reads configs/<config_file_name(...)>, whose keys are token counts M (as in
-vLLM's fused_moe config files; the nearest key wins), and falls back to
-`default_config`. Tuned entries are measured on the GPU and committed with the
-script that made them; none exist yet, so every shape uses the heuristic.
+vLLM's fused_moe config files; the nearest key wins, within a factor of
+TUNED_M_REACH of the tuned range), and falls back to `default_config`. Tuned entries
+are measured on the GPU and committed with the script that made them (bench/tune.py;
+the H200 entries and the log of their run are listed in configs/README.md).
 """
 
 from __future__ import annotations
@@ -182,6 +183,19 @@ def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, 
     )
 
 
+TUNED_M_REACH = 2  # a tuned entry serves token counts up to this factor beyond the tuned range
+
+
+def nearest_tuned_m(table: dict[int, TritonMoEConfig], M: int) -> int | None:
+    """The key of `table` nearest to M, or None when M lies more than TUNED_M_REACH times
+    outside [min key, max key]: a config tuned at M=256 was never measured at M=4096,
+    where the tile regime differs, so the heuristic (measured there too) serves it."""
+    lo, hi = min(table), max(table)
+    if M > hi * TUNED_M_REACH or M * TUNED_M_REACH < lo:
+        return None
+    return min(table, key=lambda m: abs(m - M))
+
+
 @functools.lru_cache(maxsize=4096)
 def get_triton_moe_config(
     M: int,
@@ -194,7 +208,8 @@ def get_triton_moe_config(
     device_name: str | None = None,
     config_dir: Path | None = None,
 ) -> TritonMoEConfig:
-    """The tuned config nearest to M for this GEMM shape on device_name, else `default_config`.
+    """The tuned config nearest to M for this GEMM shape on device_name, else `default_config`
+    (no file for the shape and device, or M outside the tuned range; see nearest_tuned_m).
 
     group_size: the GEMM's effective group (-1 or K = channel-wise). A tuned entry
     that is illegal for K/group_size raises (a bad file is a bug, not a fallback).
@@ -203,10 +218,8 @@ def get_triton_moe_config(
     table = None
     if device_name:
         table = load_tuned_configs(E, N, K, gs, bits, device_name, config_dir)
-    if table:
-        cfg = table[min(table, key=lambda m: abs(m - M))]
-    else:
-        cfg = default_config(M, E, N, K, top_k, gs, bits)
+    m_key = nearest_tuned_m(table, M) if table else None
+    cfg = table[m_key] if m_key is not None else default_config(M, E, N, K, top_k, gs, bits)
     cfg.check_shape(K, gs)
     return cfg
 
@@ -218,4 +231,5 @@ __all__ = [
     "expected_experts_hit",
     "get_triton_moe_config",
     "load_tuned_configs",
+    "nearest_tuned_m",
 ]

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # One GPU-machine session: bring vLLM 0.26 (the .vb bundle), install the plugin (entry point), then run
-# the steps named on the command line. Logs and results go to $OUT (the device tool brings them back).
-#   bash bench/gpu_session.sh tests e2e          # GPU test tier + LLM(...) end to end
-#   bash bench/gpu_session.sh tune bench          # tune Triton configs, then the benchmark table
+# the steps named on the command line. Logs and results go to $OUT (the device tool brings back at most
+# 8 files, 2 folders deep).
+#   BENCH_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh tests e2e   # run from here, in the command
+#   bash bench/gpu_session.sh tune bench                  # tune Triton configs, then the layer benchmark
+#   E2E_ARGS="-k 'gptq-gs32-k2048 or serve'" bash bench/gpu_session.sh e2e
+#   bash bench/gpu_session.sh e2e-bench                   # bench/e2e.py (offline throughput)
+# The lent machine's copy of the tree has no .git: BENCH_COMMIT names the commit in result files.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-# $OUT brings back at most 8 files: set-up logs stay in /tmp unless they fail.
+export BENCH_COMMIT=${BENCH_COMMIT:-unknown}
 source .vb/install.sh >/dev/null 2>/tmp/install.log || { cat /tmp/install.log; exit 1; }
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pip.log 2>&1 || cat /tmp/pip.log
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
@@ -15,10 +19,12 @@ rc=0
 for step in "$@"; do
   case "$step" in
     tests) timeout 420 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rs 2>&1 | grep -v "^INFO\|^WARNING" | tee "$OUT/gpu_tests.log" | tail -25 || rc=1 ;;
-    e2e) timeout 420 python3 -m pytest -q -m gpu tests/e2e -p no:cacheprovider -x 2>&1 | grep -v "^WARNING" | tee "$OUT/e2e.log" | tail -25 || rc=1 ;;
-    tune) timeout 300 python3 bench/tune.py --out vllm_wna16_plugin/kernels/triton/configs 2>&1 | tee "$OUT/tune.log" | tail -30
+    e2e) export E2E_RECORD="$OUT/e2e-record.jsonl"
+         eval "timeout ${E2E_TIMEOUT:-540} python3 -m pytest -q -m gpu tests/e2e -p no:cacheprovider -rsx ${E2E_ARGS:-}" 2>&1 | grep -v "^WARNING" | tee "$OUT/e2e.log" | tail -40 || rc=1 ;;
+    e2e-bench) timeout ${E2E_BENCH_TIMEOUT:-540} python3 bench/e2e.py --out "$OUT/res" ${E2E_BENCH_ARGS:-} 2>&1 | grep -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/e2e-bench.log" | tail -30 ;;
+    tune) timeout ${TUNE_TIMEOUT:-300} python3 bench/tune.py --out vllm_wna16_plugin/kernels/triton/configs ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -30
           tar czf "$OUT/configs.tgz" -C vllm_wna16_plugin/kernels/triton configs ;;
-    bench) timeout 480 python3 bench/bench_moe.py --reps 20 --out "$OUT/res" ${BENCH_ARGS:-} 2>&1 | grep -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/bench.log" | tail -70 ;;
+    bench) timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" ${BENCH_ARGS:-} 2>&1 | grep -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/bench.log" | tail -70 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done

@@ -4,7 +4,7 @@ Ledger (one entry per symbol outside vLLM's documented plugin API):
 
 | symbol | why | checked in | remove when |
 |---|---|---|---|
-| model_executor.layers.quantization.register_quantization_config | registers `moe_wna16_plus` | 0.26.0 | public API |
+| model_executor.layers.quantization.register_quantization_config / get_quantization_config | registers `moe_wna16_plus`; looks it up for layers built without an engine | 0.26.0 | public API |
 | ...quantization.base_config.QuantizationConfig / QuantizeMethodBase | base classes of our config/method | 0.26.0 | public API |
 | ...fused_moe.FusedMoEMethodBase, RoutedExperts, UnquantizedFusedMoEMethod | the MoE method contract and the layer it owns | 0.26.0 | - |
 | ...fused_moe.config.int4_w4a16_moe_quant_config / int8_w8a16_moe_quant_config | `get_fused_moe_quant_config` (read by vLLM's runner) | 0.26.0 | - |
@@ -16,6 +16,7 @@ Ledger (one entry per symbol outside vLLM's documented plugin API):
 | ...fused_moe.moe_align_block_size.moe_align_block_size | token alignment for our kernels on GPU | 0.26.0 | - |
 | vllm._custom_ops.moe_wna16_gemm / moe_sum | the `vllm_cuda` backend (vLLM's CUDA GEMM with our legal configs) | 0.26.0 | our csrc kernel replaces it |
 | ...fused_moe.experts.marlin_moe.fused_marlin_moe + marlin_utils repack helpers | the `marlin` backend | 0.26.0 | - |
+| config.VllmConfig / DeviceConfig / set_current_vllm_config, distributed.init_distributed_environment / initialize_model_parallel, FusedMoE(...) | building our MoE layers on CPU without an engine (`vllm-wna16 demo` without a GPU, layer tests) | 0.26.0 | - |
 
 Every import is lazy (inside a function) so `import vllm_wna16_plugin` stays cheap and
 works without vLLM; callers get a clear error when vLLM is missing.
@@ -23,8 +24,11 @@ works without vLLM; callers get a clear error when vLLM is missing.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 SUPPORTED_VLLM = ((0, 26), (0, 27))  # [min, max) by (major, minor)
@@ -80,6 +84,11 @@ def quantization_config_base():
 
 def register_quantization_config(name: str, cls) -> None:
     _get("vllm.model_executor.layers.quantization", "register_quantization_config")(name)(cls)
+
+
+def quantization_config_cls(name: str):
+    """The QuantizationConfig class vLLM has registered under `name`."""
+    return _get("vllm.model_executor.layers.quantization", "get_quantization_config")(name)
 
 
 def fused_moe_method_base():
@@ -223,3 +232,62 @@ def marlin_pieces() -> dict[str, Any]:
         "scalar_types": _get("vllm.scalar_type", "scalar_types"),
         "MoEActivation": _get("vllm.model_executor.layers.fused_moe.activation", "MoEActivation"),
     }
+
+
+# ------------------------------------------------------------------ MoE layers without an engine
+
+
+@contextlib.contextmanager
+def cpu_layer_context() -> Iterator[Any]:
+    """A VllmConfig on CPU plus a one-process gloo group, so FusedMoE layers can be built and
+    run without a GPU or an engine (`vllm-wna16 demo` on CPU, the layer tests). Yields the
+    VllmConfig. vLLM's distributed state is per process: enter this once per process."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(cfg):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"file://{tempfile.mktemp(prefix='wna16-dist-')}",
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+        yield cfg
+
+
+def build_routed_experts(
+    vllm_cfg,
+    quant_config,
+    *,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    intermediate: int,
+    prefix: str,
+    ckpt_names: tuple[str, str, str],
+    tp_size: int = 1,
+    params_dtype=None,
+):
+    """vLLM's FusedMoE layer under `vllm_cfg` with `quant_config`; returns its RoutedExperts
+    (the module our method owns: load_weights, quant_method, apply). ckpt_names are the
+    checkpoint's (gate, down, up) projection names. A layer of the same prefix built
+    earlier is forgotten first, so callers may rebuild layers."""
+    import torch
+
+    fused_moe_cls = _get("vllm.model_executor.layers.fused_moe", "FusedMoE")
+    vllm_cfg.compilation_config.static_forward_context.pop(prefix, None)
+    runner = fused_moe_cls(
+        num_experts=num_experts,
+        top_k=top_k,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        params_dtype=params_dtype or torch.bfloat16,
+        quant_config=quant_config,
+        tp_size=tp_size,
+        prefix=prefix,
+        ckpt_names=ckpt_names,
+    )
+    return runner.routed_experts

@@ -50,8 +50,32 @@ def _vllm_block_k(num_tokens, top_k, experts, size_k, size_n, gs):
     return cfg["BLOCK_SIZE_K"]
 
 
-def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90") -> str:
-    """The doctor's report as text. Raises ValueError for a bad config (the same error loading gives)."""
+def _launch_config_table(gemms, k: int, e: int, bits: int) -> list[str]:
+    """CUDA launch configs over BATCH_SIZES per GEMM, with vLLM 0.26's BLOCK_SIZE_K and its legality."""
+    out = ["", "CUDA WNA16 launch configs (BLOCK_SIZE_M/N/K), legal by construction; vLLM 0.26's BLOCK_SIZE_K beside:"]
+    for name, size_k, size_n, gs in gemms:
+        try:
+            cgs = cuda_group_size(size_k, -1 if gs == size_k else gs)
+        except ValueError as exc:
+            out.append(f"  {name}: CUDA kernel cannot take it: {exc}")
+            continue
+        for m in BATCH_SIZES:
+            c = choose_cuda_block_config(m, k, e, size_k, size_n, cgs, bits)
+            theirs = _vllm_block_k(m, k, e, size_k, size_n, cgs)
+            verdict = ""
+            if theirs is not None and m * k / e > 6:  # vLLM's should_moe_wna16_use_cuda: Triton path here
+                verdict = "  vLLM: Triton path"
+            elif theirs is not None:
+                legal = size_k % theirs == 0 and theirs % cgs == 0 and theirs // cgs in LEGAL_K_RATIOS
+                verdict = f"  vLLM: BK={theirs}" + ("" if legal else f" ILLEGAL (ratio {theirs / cgs:g}) -> crash")
+            out.append(f"  {name:8s} M={m:5d}: {c.block_size_m}/{c.block_size_n}/{c.block_size_k} ok{verdict}")
+    return out
+
+
+def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_configs: bool = True) -> str:
+    """The doctor's report as text. Raises ValueError for a bad config (the same error loading gives).
+
+    launch_configs=False leaves out the CUDA launch-config table (the demo's short plan)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     quant = cfg.get("quantization_config") or cfg.get("compression_config")
     if quant is None:
@@ -72,23 +96,8 @@ def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90") -> str:
     for name, size_k, size_n, gs in gemms:
         regroup = "" if gs == scheme.group_size_for(size_k) or scheme.is_channelwise else " (re-grouped exactly)"
         out.append(f"  {name:8s} K={size_k:6d} N={size_n:6d} group={gs if gs != size_k else 'channel'}{regroup}")
-    out += ["", "CUDA WNA16 launch configs (BLOCK_SIZE_M/N/K), legal by construction; vLLM 0.26's BLOCK_SIZE_K beside:"]
-    for name, size_k, size_n, gs in gemms:
-        try:
-            cgs = cuda_group_size(size_k, -1 if gs == size_k else gs)
-        except ValueError as exc:
-            out.append(f"  {name}: CUDA kernel cannot take it: {exc}")
-            continue
-        for m in BATCH_SIZES:
-            c = choose_cuda_block_config(m, k, e, size_k, size_n, cgs, scheme.bits)
-            theirs = _vllm_block_k(m, k, e, size_k, size_n, cgs)
-            verdict = ""
-            if theirs is not None and m * k / e > 6:  # vLLM's should_moe_wna16_use_cuda: Triton path here
-                verdict = "  vLLM: Triton path"
-            elif theirs is not None:
-                legal = size_k % theirs == 0 and theirs % cgs == 0 and theirs // cgs in LEGAL_K_RATIOS
-                verdict = f"  vLLM: BK={theirs}" + ("" if legal else f" ILLEGAL (ratio {theirs / cgs:g}) -> crash")
-            out.append(f"  {name:8s} M={m:5d}: {c.block_size_m}/{c.block_size_n}/{c.block_size_k} ok{verdict}")
+    if launch_configs:
+        out += _launch_config_table(gemms, k, e, scheme.bits)
     platform, sm = DEVICES[device]
     problem = MoEProblem(scheme=scheme, hidden=h, intermediate=i_loc, num_experts=e, global_num_experts=e, top_k=k,
                          group_size_w13=gs13, group_size_w2=gs2, act_dtype=torch.bfloat16, platform=platform, sm=sm,

@@ -1,0 +1,193 @@
+"""Offline end-to-end throughput on the GPU: the plugin vs vLLM's own WNA16 MoE paths, one checkpoint.
+
+The checkpoint is written by make_checkpoint with real MoE dimensions and few layers. The
+default is Qwen3-30B-A3B's MoE (E=128, top_k=8, H=2048, I=768), GPTQ int4 gs128, 2 layers, random
+weights. Every provider runs the same workloads in its own process (one LLM per process), with CUDA
+graphs, greedy, ignore_eos:
+
+  decode-bs{1,8,64}  B prompts of 32 random tokens, 128 output tokens each: output tokens/s
+  prefill            64 prompts of 512 random tokens, 1 output token each: input tokens/s
+
+Providers: plugin-auto (quantization=moe_wna16_plus), plugin-triton (--moe-backend triton),
+vllm-moe_wna16 (vLLM's in-tree moe_wna16), vllm-default (vLLM's own method for the format:
+gptq_marlin, so Marlin MoE). A provider that fails shows its error in the table.
+
+    python bench/e2e.py --out bench/results/h200 [--layers 2] [--providers ...] [--group-size 128]
+
+Writes <out>/e2e-<date>-<commit>.md and .json and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROVIDERS = {
+    "plugin-auto": dict(quantization="moe_wna16_plus", moe_backend="auto"),
+    "plugin-triton": dict(quantization="moe_wna16_plus", moe_backend="triton"),
+    "vllm-moe_wna16": dict(quantization="moe_wna16", moe_backend="auto"),
+    "vllm-default": dict(quantization=None, moe_backend="auto"),
+}
+WORKLOADS = [  # (name, prompts, prompt tokens, output tokens)
+    ("decode-bs1", 1, 32, 128),
+    ("decode-bs8", 8, 32, 128),
+    ("decode-bs64", 64, 32, 128),
+    ("prefill", 64, 512, 1),
+]
+
+
+def worker(spec_path: str, out_path: str) -> int:
+    """One provider: LLM once, a warm-up, then every workload timed; writes JSON results."""
+    import random
+
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(Path(spec_path).read_text())
+    result = {"provider": spec["provider"], "workloads": {}}
+    try:
+        t0 = time.perf_counter()
+        llm = LLM(model=spec["model"], tokenizer=spec["model"], quantization=spec["quantization"],
+                  moe_backend=spec["moe_backend"], max_model_len=1024, max_num_seqs=64,
+                  max_num_batched_tokens=8192, gpu_memory_utilization=0.5,
+                  attention_backend=spec.get("attention_backend") or None)  # fmt: skip
+        result["startup_s"] = time.perf_counter() - t0
+        rng = random.Random(0)
+        vocab = spec["vocab"]
+
+        def prompts(n, length):
+            return [{"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(length)]} for _ in range(n)]
+
+        llm.generate(prompts(4, 32), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # warm-up
+        for name, n, plen, olen in WORKLOADS:
+            batch = prompts(n, plen)
+            params = SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True)
+            t = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            dt = time.perf_counter() - t
+            generated = sum(len(o.outputs[0].token_ids) for o in outs)
+            result["workloads"][name] = {"seconds": dt, "output_tok_s": generated / dt, "input_tok_s": n * plen / dt}
+        result["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - a provider that fails is a result
+        result["ok"] = False
+        result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
+    Path(out_path).write_text(json.dumps(result))
+    return 0
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+    except Exception:  # noqa: BLE001 - the lent GPU machine's copy has no .git
+        return os.environ.get("BENCH_COMMIT", "unknown")
+
+
+def render(results: list[dict], header: str) -> str:
+    names = [w[0] for w in WORKLOADS]
+    lines = [header, "", "| provider | start-up s | " + " | ".join(names) + " |", "|---" * (len(names) + 2) + "|"]
+    for r in results:
+        if not r.get("ok"):
+            lines.append(f"| {r['provider']} | failed: {r.get('error', '?')} |" + " |" * len(names))
+            continue
+        cells = []
+        for name in names:
+            w = r["workloads"][name]
+            cells.append(f"{w['input_tok_s']:.0f} in tok/s" if name == "prefill" else f"{w['output_tok_s']:.0f} tok/s")
+        lines.append(f"| {r['provider']} | {r['startup_s']:.0f} | " + " | ".join(cells) + " |")
+    base = next((r for r in results if r["provider"] == "plugin-auto" and r.get("ok")), None)
+    if base:
+        lines += ["", "plugin-auto relative to each provider (>1: the plugin is faster):", ""]
+        lines += ["| vs | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for r in results:
+            if r is base or not r.get("ok"):
+                continue
+            key = lambda name: "input_tok_s" if name == "prefill" else "output_tok_s"  # noqa: E731
+            ratios = [base["workloads"][n][key(n)] / r["workloads"][n][key(n)] for n in names]
+            lines.append(f"| {r['provider']} | " + " | ".join(f"{x:.2f}" for x in ratios) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "h200"))
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--format", dest="fmt", default="gptq", choices=("gptq", "awq", "compressed-tensors"))
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--attention-backend", default="TRITON_ATTN", help="'' = vLLM's choice")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per provider")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(*args.worker)
+
+    import torch
+
+    from vllm_wna16_plugin.tools.make_checkpoint import load_spec, make_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="wna16-e2e-"))
+    t0 = time.perf_counter()
+    ckpt = make_checkpoint(work / "ck", fmt=args.fmt, bits=4, group_size=args.group_size, hidden=args.hidden,
+                           intermediate=args.intermediate, experts=args.experts, top_k=args.top_k,
+                           layers=args.layers)  # fmt: skip
+    print(f"checkpoint written in {time.perf_counter() - t0:.0f}s: {ckpt}", flush=True)
+    vocab = load_spec(ckpt).resolved_vocab_size
+    results = []
+    for prov in args.providers.split(","):
+        spec = dict(PROVIDERS[prov], provider=prov, model=str(ckpt), vocab=vocab,
+                    attention_backend=args.attention_backend)  # fmt: skip
+        spec_path, out_path = work / f"{prov}.spec.json", work / f"{prov}.out.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ, TRITON_INTERPRET="0")
+        env.pop("VLLM_WNA16_PLUS_BACKEND", None)
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--worker", str(spec_path), str(out_path)], env=env,
+                                  capture_output=True, text=True, timeout=args.timeout)  # fmt: skip
+            r = (
+                json.loads(out_path.read_text())
+                if out_path.exists()
+                else {
+                    "provider": prov,
+                    "ok": False,
+                    "error": f"worker died (rc {proc.returncode}): {proc.stderr[-300:]}",
+                }
+            )
+        except subprocess.TimeoutExpired:
+            r = {"provider": prov, "ok": False, "error": f"timed out after {args.timeout}s"}
+        results.append(r)
+        print(json.dumps(r), flush=True)
+
+    import vllm
+
+    header = (
+        f"# End-to-end offline throughput\n\n{datetime.date.today()} · {torch.cuda.get_device_name()} · "
+        f"vLLM {vllm.__version__} · torch {torch.__version__} · commit {git_commit()}\n\n"
+        f"Checkpoint: make_checkpoint {args.fmt} int4 gs{args.group_size}, E={args.experts}, top_k={args.top_k}, "
+        f"H={args.hidden}, I={args.intermediate}, {args.layers} layers, random weights. Greedy, ignore_eos, "
+        f"CUDA graphs; decode: B prompts x 32 tokens -> 128 tokens; prefill: 64 x 512 tokens -> 1."
+    )
+    table = render(results, header)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = f"e2e-{datetime.date.today()}-{git_commit()}"
+    (out / f"{stamp}.md").write_text(table)
+    (out / f"{stamp}.json").write_text(json.dumps(results, indent=1))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

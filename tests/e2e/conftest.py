@@ -1,0 +1,108 @@
+"""Shared pieces of the end-to-end tests (GPU only): tiny checkpoints, one LLM run per process, agreement.
+
+The checkpoints are written by make_checkpoint, as a user's would be by
+`vllm-wna16 make-checkpoint`. Each LLM(...) run is a subprocess through
+llm_runner.py, with the plugin backend in VLLM_WNA16_PLUS_BACKEND.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+RUNNER = Path(__file__).with_name("llm_runner.py")
+PROMPTS = ["The capital of France is", "Water is made of hydrogen and", "1 2 3 4 5"]
+# Greedy decoding of random weights: bf16 accumulation order may flip a near-tie late in the
+# sequence. The first AGREE_MIN tokens must agree, and the first token's top log-probs must
+# agree within FIRST_LOGPROB_ATOL.
+AGREE_MIN = 8
+FIRST_LOGPROB_ATOL = 0.1
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (servers in these tests listen on loopback only)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@dataclass
+class Run:
+    """One LLM(...) run: the runner's JSON result and the process's whole log."""
+
+    result: dict
+    log: str
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.result.get("ok"))
+
+    def require_ok(self, what: str) -> Run:
+        if not self.ok:
+            raise AssertionError(f"{what}: LLM run failed: {self.result.get('error_type')}: "
+                                 f"{self.result.get('error')}\n{first_errors(self.log)}")  # fmt: skip
+        return self
+
+
+def first_errors(log: str, context: int = 12) -> str:
+    """The lines around the first errors of a log: they tell more than a traceback's tail."""
+    lines = log.splitlines()
+    hits = [i for i, ln in enumerate(lines) if "Error" in ln or "error:" in ln][:3]
+    return "\n...\n".join("\n".join(lines[max(0, i - context) : i + 4]) for i in hits) or log[-3000:]
+
+
+def run_llm(model: Path, tmp_path: Path, *, backend: str | None = None, quantization: str | None = "moe_wna16_plus",
+            eager: bool = False, tp: int = 1, moe_backend: str = "auto", prompts=None, max_tokens: int = 16,
+            timeout: int = 900) -> Run:  # fmt: skip
+    """LLM(model, quantization=...) greedy on `prompts` in a fresh process; backend sets VLLM_WNA16_PLUS_BACKEND."""
+    tag = f"{backend or moe_backend}-{quantization}-tp{tp}-{'eager' if eager else 'graphs'}"
+    spec_path, out_path = tmp_path / f"{tag}.spec.json", tmp_path / f"{tag}.out.json"
+    spec = dict(model=str(model), quantization=quantization, prompts=prompts or PROMPTS, eager=eager, tp=tp,
+                moe_backend=moe_backend, max_tokens=max_tokens)  # fmt: skip
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env.pop("VLLM_WNA16_PLUS_BACKEND", None)
+    if backend:
+        env["VLLM_WNA16_PLUS_BACKEND"] = backend
+    proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)], env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    log = proc.stdout + proc.stderr
+    if not out_path.exists():
+        raise AssertionError(f"{tag}: the runner died (rc {proc.returncode}) before writing a result\n"
+                             f"{first_errors(log)}")  # fmt: skip
+    return Run(json.loads(out_path.read_text()), log)
+
+
+def agreed_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def assert_generates_like(got: Run, ref: Run, what: str) -> None:
+    """Greedy tokens agree with the reference run's for AGREE_MIN tokens (all, if shorter), and the
+    first token's top log-probs, over the tokens both runs list, agree within FIRST_LOGPROB_ATOL."""
+    for i, (r, g) in enumerate(zip(ref.result["tokens"], got.result["tokens"], strict=True)):
+        need = min(AGREE_MIN, len(r))
+        assert agreed_prefix(r, g) >= need, f"{what}: prompt {i} diverges early: {g} vs reference {r}"
+    for i, (r, g) in enumerate(zip(ref.result["first_logprobs"], got.result["first_logprobs"], strict=True)):
+        common = set(r) & set(g)
+        assert common, f"{what}: prompt {i}: no common top token in the first step"
+        worst = max(abs(r[t] - g[t]) for t in common)
+        assert worst <= FIRST_LOGPROB_ATOL, f"{what}: prompt {i}: first-token logprobs differ by {worst:.3g}"
+
+
+requires_gpu = pytest.mark.skipif(gpus() == 0, reason="needs a CUDA GPU")

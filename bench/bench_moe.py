@@ -173,6 +173,7 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
                            has_zero_point=False)  # fmt: skip
     if use_td is not None:
         problem.extra["use_td"] = use_td
+    problem.extra["explicit"] = True  # each provider is asked for by name (cuda is not auto's yet)
     backend = registry()[name]
     reason = backend.incompatibility_reason(problem)
     if reason:
@@ -194,7 +195,7 @@ def main() -> int:
     ap.add_argument("--m", default=",".join(map(str, M_VALUES)))
     ap.add_argument(
         "--providers",
-        default="plugin-triton,plugin-triton-td,plugin-vllm_cuda,vllm-triton,vllm-cuda,vllm-marlin,bf16-dense",
+        default="plugin-triton,plugin-triton-td,plugin-cuda,plugin-vllm_cuda,vllm-triton,vllm-cuda,vllm-marlin,bf16-dense",
     )
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "h200"))

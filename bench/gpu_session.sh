@@ -12,7 +12,11 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export BENCH_COMMIT=${BENCH_COMMIT:-unknown}
 source .vb/install.sh >/dev/null 2>/tmp/install.log || { cat /tmp/install.log; exit 1; }
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/tmp/pip.log 2>&1 || cat /tmp/pip.log
+# builds csrc/ for sm90 on the machine's 16 cores (the `cuda` backend); the log says if it could not
+TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=16 python3 -m pip install -q --no-deps --no-build-isolation \
+  --no-index -e . >/tmp/pip.log 2>&1 || cat /tmp/pip.log
+grep -h "vllm-wna16-plugin:" /tmp/pip.log 2>/dev/null | head -2
+python3 -c "from vllm_wna16_plugin.kernels.cuda_ops import extension_error as e; print('CUDA ops:', e() or 'built')"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 rc=0

@@ -8,6 +8,8 @@ rejects a case must say why; one that accepts it must be right.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ CASES = [
     pytest.param(1024, 512, 8, 2, 8, 128, False, id="int8-gs128"),
     pytest.param(1024, 512, 8, 2, 8, -1, True, id="int8-channelwise-zp"),
 ]
-BACKENDS = ["triton", "triton-td", "vllm_cuda", "marlin"]
+BACKENDS = ["triton", "triton-td", "cuda", "vllm_cuda", "marlin"]
 
 
 @pytest.mark.parametrize("M", [1, 33, 300])
@@ -43,7 +45,8 @@ def test_gpu_backend_matches_reference(H, I, E, top_k, bits, gs, zp, backend, M)
     problem = make_problem(
         args[0], args[1], args[2], args[3], args[4], args[6], bits=bits, group_size=gs, has_zero_point=zp
     )
-    reason = registry()[name].incompatibility_reason(problem)
+    # as select_backend asks for an explicit choice (cuda is not auto's until a measured crossover)
+    reason = registry()[name].incompatibility_reason(dataclasses.replace(problem, extra={"explicit": True}))
     if reason is not None:
         assert isinstance(reason, str) and reason
         pytest.skip(f"{name} rejects this case: {reason}")
@@ -67,7 +70,7 @@ def assert_backend_matches(backend: str, out: torch.Tensor, ref: torch.Tensor, w
     assert_close_scaled(out, ref, torch.bfloat16, what)
 
 
-@pytest.mark.parametrize("backend", ["triton", "vllm_cuda"])
+@pytest.mark.parametrize("backend", ["triton", "cuda", "vllm_cuda"])
 def test_gpu_backend_captures_in_cuda_graph(backend):
     p = make_moe_problem(M=4, H=2048, I=512, E=32, top_k=8, bits=4, gs1=32, seed=11)
     args = [t.cuda() for t in p.args()]

@@ -7,12 +7,13 @@ from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
 
 def registry() -> dict[str, Backend]:
     """Every backend by its plugin name, in the order `auto` tries them."""
+    from vllm_wna16_plugin.backends.cuda import CudaBackend
     from vllm_wna16_plugin.backends.marlin import MarlinBackend
     from vllm_wna16_plugin.backends.reference import ReferenceBackend
     from vllm_wna16_plugin.backends.triton import TritonBackend
     from vllm_wna16_plugin.backends.vllm_cuda import VllmCudaBackend
 
-    backends = [TritonBackend(), MarlinBackend(), VllmCudaBackend(), ReferenceBackend()]
+    backends = [TritonBackend(), CudaBackend(), MarlinBackend(), VllmCudaBackend(), ReferenceBackend()]
     return {b.name: b for b in backends}
 
 

@@ -1,0 +1,65 @@
+"""Builds the plugin's CUDA ops (csrc/ -> vllm_wna16_plugin._C) when a CUDA torch and nvcc are present.
+
+Project metadata lives in pyproject.toml. The extension compiles against the torch of the
+environment it is installed into, so install with `--no-build-isolation` once vLLM (and
+with it torch) is there; README.md's set-up does that. When torch is not importable at
+build time (pip's default isolated build), or it has no CUDA, or nvcc is missing, the
+package still installs without the extension (Triton and reference backends only) and
+says so in the build log. WNA16_PLUS_REQUIRE_CUDA=1 turns that into an error (CI, so a
+build break cannot land); WNA16_PLUS_SKIP_CUDA=1 skips the build.
+TORCH_CUDA_ARCH_LIST picks the architectures (default "8.0;9.0;10.0").
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from setuptools import setup
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _note(msg: str) -> None:
+    print(f"vllm-wna16-plugin: {msg}", file=sys.stderr, flush=True)
+
+
+def _skip(reason: str):
+    if os.environ.get("WNA16_PLUS_REQUIRE_CUDA") == "1":
+        raise RuntimeError(f"WNA16_PLUS_REQUIRE_CUDA=1 but the CUDA ops cannot be built: {reason}")
+    _note(f"building WITHOUT the CUDA ops ({reason}); the Triton and reference backends work without them")
+    return [], {}
+
+
+def cuda_extension():
+    """([CUDAExtension], cmdclass), or ([], {}) with a log line saying why not."""
+    if os.environ.get("WNA16_PLUS_SKIP_CUDA") == "1":
+        return _skip("WNA16_PLUS_SKIP_CUDA=1")
+    if not os.environ.get("CUDA_HOME") and Path("/usr/local/cuda/include/cuda_runtime.h").exists():
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"  # a `nvcc` wrapper on PATH can mislead torch's lookup
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+    except ImportError as exc:
+        return _skip(f"torch is not importable at build time ({exc}); install with --no-build-isolation")
+    if torch.version.cuda is None:
+        return _skip(f"torch {torch.__version__} has no CUDA")
+    if CUDA_HOME is None or not (shutil.which("nvcc") or Path(CUDA_HOME, "bin", "nvcc").exists()):
+        return _skip("no CUDA toolkit (nvcc) found; set CUDA_HOME")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0;10.0")
+    _note(f"building the CUDA ops for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']} "
+          f"(torch {torch.__version__}, CUDA_HOME={CUDA_HOME})")  # fmt: skip
+    ext = CUDAExtension(
+        name="vllm_wna16_plugin._C",
+        sources=["csrc/torch_bindings.cpp", "csrc/moe_wna16_gemv.cu"],
+        include_dirs=[str(ROOT / "csrc")],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
+        py_limited_api=False,
+    )
+    return [ext], {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = cuda_extension()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,0 +1,165 @@
+"""The plugin's own CUDA ops (csrc/, torch.ops.wna16_plus): loading, launch rules, the layer.
+
+`extension_error()` says why the compiled extension is unusable (None when it loads).
+`launch_config_error(...)` asks the compiled launch rules (csrc/launch_rules.h) whether the kernel
+takes a config; it needs no GPU. `fused_moe_wna16_cuda(...)` runs one MoE layer: the token
+alignment (vLLM's moe_align_block_size, passed in as align_fn), the CUDA GEMM for gate/up, the
+Triton gated activation, the CUDA GEMM for down with the router weights, and the Triton top-k
+sum. No vLLM import here.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+
+from vllm_wna16_plugin.block_config import BlockConfig, choose_cuda_block_config
+
+AlignFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@functools.cache
+def extension_error() -> str | None:
+    """None when vllm_wna16_plugin._C loads (registering torch.ops.wna16_plus), else why not."""
+    try:
+        import vllm_wna16_plugin._C  # noqa: F401
+    except ImportError as exc:
+        return (
+            f"the plugin's CUDA extension is not built ({exc}); reinstall with a CUDA toolkit: "
+            "pip install --no-build-isolation -e ."
+        )
+    return None
+
+
+def launch_config_error(size_k: int, num_groups: int, config: BlockConfig, bits: int) -> str:
+    """'' when the CUDA kernel takes `config` for reduction size K with num_groups scale groups."""
+    if extension_error():
+        raise RuntimeError(extension_error())
+    return torch.ops.wna16_plus.check_launch_config(
+        size_k, num_groups, config.block_size_m, config.block_size_n, config.block_size_k, bits
+    )
+
+
+MIN_CTAS = 2 * 132  # two blocks per SM of an H100/H200: the grid the launch aims to fill
+
+
+def gemm_config(m: int, top_k: int, num_experts: int, size_k: int, size_n: int, num_groups: int, bits: int):
+    """The launch config of one GEMM: block_config's legal CUDA config (channel-wise as its CUDA group),
+    with BLOCK_SIZE_N halved (down to 32) while the expected grid has fewer than MIN_CTAS blocks. The
+    kernel takes any BLOCK_SIZE_N, so the smaller tile stays legal; decode grids are otherwise a few
+    dozen blocks."""
+    from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
+
+    cfg = choose_cuda_block_config(
+        m, top_k, num_experts, size_k, size_n, -1 if num_groups == 1 else size_k // num_groups, bits
+    )
+    pairs = m * top_k
+    hit = expected_experts_hit(pairs, num_experts)
+    m_blocks = pairs if cfg.block_size_m == 1 else hit * math.ceil(pairs / hit / cfg.block_size_m)
+    bn = cfg.block_size_n
+    while bn > 32 and m_blocks * -(-size_n // bn) < MIN_CTAS:
+        bn //= 2
+    return BlockConfig(cfg.block_size_m, bn, cfg.block_size_k, cfg.size_k, cfg.group_size)
+
+
+def invoke_moe_wna16_gemm(
+    a: torch.Tensor,  # (rows, K) bf16/fp16
+    qweight: torch.Tensor,  # (E, N, K*bits/8) uint8
+    scales: torch.Tensor,  # (E, N, G) a.dtype
+    qzeros: torch.Tensor | None,  # (E, N*bits/8, G) uint8
+    c: torch.Tensor,  # (num_pairs, N) a.dtype; rows of pairs the alignment skips are left as they are
+    topk_weights: torch.Tensor | None,  # (num_pairs,) float32: multiplies row p when given
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    *,
+    bits: int,
+    top_k: int,  # the A row of pair p is p // top_k
+    config: BlockConfig,
+) -> torch.Tensor:
+    """One grouped GEMM on torch.ops.wna16_plus.moe_wna16_gemm; the op checks every argument first."""
+    torch.ops.wna16_plus.moe_wna16_gemm(
+        a, qweight, scales, qzeros, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, c,
+        bits, top_k, config.block_size_m, config.block_size_n, config.block_size_k,
+    )  # fmt: skip
+    return c
+
+
+def check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Refuse expert ids outside [0, num_experts) before any launch. It reads them on the host (a sync),
+    so it is skipped while a CUDA graph is captured, where vLLM's own router produced the ids."""
+    if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
+        raise ValueError(f"topk_ids must lie in [0, {num_experts}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
+
+
+def fused_moe_wna16_cuda(
+    x: torch.Tensor,  # (M, H) bf16/fp16
+    w13_qweight: torch.Tensor,  # (E, 2I, H*bits/8) uint8
+    w2_qweight: torch.Tensor,  # (E, H, I*bits/8) uint8
+    w13_scales: torch.Tensor,  # (E, 2I, G1)
+    w2_scales: torch.Tensor,  # (E, H, G2)
+    topk_weights: torch.Tensor,  # (M, top_k)
+    topk_ids: torch.Tensor,  # (M, top_k) global expert ids
+    *,
+    bits: int,
+    align_fn: AlignFn,
+    w13_qzeros: torch.Tensor | None = None,
+    w2_qzeros: torch.Tensor | None = None,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+    expert_map: torch.Tensor | None = None,
+    global_num_experts: int = -1,
+) -> torch.Tensor:
+    """out[t] = sum_j w[t,j] * W2[e] @ act(W13[e] @ x[t]), e = topk_ids[t,j]; the reference's contract.
+
+    align_fn: vLLM's moe_align_block_size(topk_ids, block_size, num_experts, expert_map,
+    ignore_invalid_experts=True). Both GEMMs share one alignment (the same BLOCK_SIZE_M).
+    """
+    from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton, moe_sum_triton
+
+    if extension_error():
+        raise RuntimeError(extension_error())
+    m, top_k = topk_ids.shape
+    num_experts, two_i, _ = w13_qweight.shape
+    hidden, inter = x.shape[1], two_i // 2
+    if global_num_experts == -1:
+        global_num_experts = expert_map.numel() if expert_map is not None else num_experts
+    check_topk_ids(topk_ids, global_num_experts)
+    out = torch.empty_like(x)
+    if m == 0:
+        return out
+    cfg1 = gemm_config(m, top_k, num_experts, hidden, two_i, w13_scales.shape[-1], bits)
+    cfg2 = gemm_config(m, top_k, num_experts, inter, hidden, w2_scales.shape[-1], bits)
+    if cfg2.block_size_m != cfg1.block_size_m:  # one alignment for both GEMMs
+        cfg2 = BlockConfig(cfg1.block_size_m, cfg2.block_size_n, cfg2.block_size_k, cfg2.size_k, cfg2.group_size)
+    sorted_ids, expert_ids, num_post_pad = align_fn(
+        topk_ids, cfg1.block_size_m, global_num_experts, expert_map, ignore_invalid_experts=True
+    )
+    a = x if x.stride(1) == 1 and x.stride(0) % 8 == 0 else x.contiguous()
+    weights = topk_weights.reshape(-1).float()
+    if apply_router_weight_on_input:
+        a = (a.float() * topk_weights.float().view(m, 1)).to(x.dtype)  # top_k == 1 (checked by the caller)
+    # zeros: pairs whose expert another rank holds are skipped by the alignment and must add 0
+    h1 = torch.zeros(m * top_k, two_i, dtype=x.dtype, device=x.device)
+    invoke_moe_wna16_gemm(a, w13_qweight, w13_scales, w13_qzeros, h1, None, sorted_ids, expert_ids, num_post_pad,
+                          bits=bits, top_k=top_k, config=cfg1)  # fmt: skip
+    act = gated_activation_triton(h1, activation)
+    h2 = torch.zeros(m * top_k, hidden, dtype=x.dtype, device=x.device)
+    invoke_moe_wna16_gemm(act, w2_qweight, w2_scales, w2_qzeros, h2,
+                          None if apply_router_weight_on_input else weights, sorted_ids, expert_ids, num_post_pad,
+                          bits=bits, top_k=1, config=cfg2)  # fmt: skip
+    return moe_sum_triton(h2, out, top_k)
+
+
+__all__ = [
+    "extension_error",
+    "fused_moe_wna16_cuda",
+    "gemm_config",
+    "invoke_moe_wna16_gemm",
+    "launch_config_error",
+]

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -154,27 +153,11 @@ def stage_b(base: TritonMoEConfig, M: int, E: int, N: int, K: int, top_k: int, t
 
 
 def time_graph(fns, reps: int) -> float:
-    """Median µs per call of a CUDA graph that calls every fn once (R rotating copies)."""
-    import torch
+    """Median µs per call of a CUDA graph that calls every fn once: the layer benchmark's own timing."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from bench_moe import time_graph as graph_timing
 
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / len(fns))
-    return statistics.median(times)
+    return graph_timing(fns, reps)[0]
 
 
 class GemmBench:

@@ -88,13 +88,15 @@ def fused_moe_wna16(
 ) -> torch.Tensor:
     """out[t] = sum_j w[t,j] * W2[e] @ act(W13[e] @ x[t]), e = topk_ids[t,j], with W = (q - z) * s.
 
-    backend: "auto" or a name from `backends.registry()` ("triton", "marlin",
+    backend: "auto" or a name from `backends.registry()` ("triton", "cuda", "marlin",
     "vllm_cuda", "reference"). use_td: the Triton backend's tensor-descriptor
     switch (None: the hardware gate decides). A backend that cannot run the
     problem raises ValueError with the reason (no launch happens).
     """
     if (w13_qzeros is None) != (w2_qzeros is None):
         raise ValueError("give zero points for both GEMMs or for neither")
+    if global_num_experts == -1 and expert_map is not None:
+        global_num_experts = expert_map.numel()  # topk_ids are global ids: the map's length counts them
     problem = make_problem(
         x, w13_qweight, w2_qweight, w13_scales, w2_scales, topk_ids, bits=bits, group_size=group_size,
         has_zero_point=w13_qzeros is not None, activation=activation,

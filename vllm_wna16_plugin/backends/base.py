@@ -52,6 +52,22 @@ class KernelTensors:
     w13_g_idx: torch.Tensor | None = None  # (E, 2, H) int32, act order only (gate, up)
     w2_g_idx: torch.Tensor | None = None  # (E, I) int32
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w13_qweight, w2_qweight, w13_scales, w2_scales): the positional weights of every fused-layer function."""
+        return self.w13_qweight, self.w2_qweight, self.w13_scales, self.w2_scales
+
+
+def layer_kwargs(problem: MoEProblem, state: KernelTensors, expert_map: torch.Tensor | None) -> dict:
+    """The keyword arguments every fused-layer function (reference, triton, cuda) takes alike."""
+    return dict(
+        bits=problem.scheme.bits,
+        w13_qzeros=state.w13_qzeros,
+        w2_qzeros=state.w2_qzeros,
+        activation=problem.activation,
+        apply_router_weight_on_input=problem.apply_router_weight_on_input,
+        expert_map=expert_map,
+    )
+
 
 class Backend:
     """One way of running a WNA16 MoE layer.

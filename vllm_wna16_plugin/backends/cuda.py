@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_kwargs
 from vllm_wna16_plugin.block_config import CUDA_GROUP_SIZES
 
 CUDA_ACTIVATIONS = ("silu", "gelu")
@@ -56,19 +56,6 @@ class CudaBackend(Backend):
         from vllm_wna16_plugin.kernels.cuda_ops import fused_moe_wna16_cuda
 
         return fused_moe_wna16_cuda(
-            x,
-            state.w13_qweight,
-            state.w2_qweight,
-            state.w13_scales,
-            state.w2_scales,
-            topk_weights,
-            topk_ids,
-            bits=problem.scheme.bits,
-            align_fn=_vllm.moe_align_block_size_fn(),
-            w13_qzeros=state.w13_qzeros,
-            w2_qzeros=state.w2_qzeros,
-            activation=problem.activation,
-            apply_router_weight_on_input=problem.apply_router_weight_on_input,
-            expert_map=expert_map,
-            global_num_experts=problem.global_num_experts,
-        )
+            x, *state.weights(), topk_weights, topk_ids, **layer_kwargs(problem, state, expert_map),
+            global_num_experts=problem.global_num_experts, align_fn=_vllm.moe_align_block_size_fn(),
+        )  # fmt: skip

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_kwargs
 from vllm_wna16_plugin.reference import ACTIVATIONS, fused_moe_wna16_ref
 
 
@@ -17,19 +17,6 @@ class ReferenceBackend(Backend):
 
     def run(self, problem: MoEProblem, state: KernelTensors, x, topk_weights, topk_ids, *, expert_map=None):
         return fused_moe_wna16_ref(
-            x,
-            state.w13_qweight,
-            state.w2_qweight,
-            state.w13_scales,
-            state.w2_scales,
-            topk_weights,
-            topk_ids,
-            bits=problem.scheme.bits,
-            w13_qzeros=state.w13_qzeros,
-            w2_qzeros=state.w2_qzeros,
-            activation=problem.activation,
-            apply_router_weight_on_input=problem.apply_router_weight_on_input,
-            expert_map=expert_map,
-            w13_g_idx=state.w13_g_idx,
-            w2_g_idx=state.w2_g_idx,
-        )
+            x, *state.weights(), topk_weights, topk_ids, **layer_kwargs(problem, state, expert_map),
+            w13_g_idx=state.w13_g_idx, w2_g_idx=state.w2_g_idx,
+        )  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_kwargs
 
 TRITON_ACTIVATIONS = ("silu", "gelu")
 
@@ -43,20 +43,6 @@ class TritonBackend(Backend):
 
         align_fn = _vllm.moe_align_block_size_fn() if x.is_cuda else None
         return fused_moe_wna16_triton(
-            x,
-            state.w13_qweight,
-            state.w2_qweight,
-            state.w13_scales,
-            state.w2_scales,
-            topk_weights,
-            topk_ids,
-            bits=problem.scheme.bits,
-            w13_qzeros=state.w13_qzeros,
-            w2_qzeros=state.w2_qzeros,
-            activation=problem.activation,
-            apply_router_weight_on_input=problem.apply_router_weight_on_input,
-            expert_map=expert_map,
-            global_num_experts=problem.global_num_experts,
-            use_td=problem.extra.get("use_td"),
-            align_fn=align_fn,
-        )
+            x, *state.weights(), topk_weights, topk_ids, **layer_kwargs(problem, state, expert_map),
+            global_num_experts=problem.global_num_experts, use_td=problem.extra.get("use_td"), align_fn=align_fn,
+        )  # fmt: skip

@@ -140,7 +140,7 @@ def fused_moe_wna16_cuda(
     sorted_ids, expert_ids, num_post_pad = align_fn(
         topk_ids, cfg1.block_size_m, global_num_experts, expert_map, ignore_invalid_experts=True
     )
-    a = x if x.stride(1) == 1 and x.stride(0) % 8 == 0 else x.contiguous()
+    a = x if x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
     weights = topk_weights.reshape(-1).float()
     if apply_router_weight_on_input:
         a = (a.float() * topk_weights.float().view(m, 1)).to(x.dtype)  # top_k == 1 (checked by the caller)

@@ -200,6 +200,15 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "h200"))
     ap.add_argument("--tag", default="")
+    ap.add_argument(
+        "--write-crossover",
+        nargs="?",
+        const=str(ROOT / "vllm_wna16_plugin" / "crossover"),
+        default=None,
+        metavar="DIR",
+        help="record where plugin-cuda beat plugin-triton (both must be among --providers) in DIR/<device>.json "
+        "(default DIR: the package's crossover/)",
+    )
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -314,7 +323,34 @@ def main() -> int:
                 wr.writerow([shape, m, prov, "", "", "", "", f"{r[0]}: {r[1]}"])
     plot(rows, providers, out / f"{stamp}.png")
     print(table)
+    if args.write_crossover:
+        print(record_crossovers(rows, shapes, dev, Path(args.write_crossover), out / f"{stamp}.md"))
     return 0
+
+
+def record_crossovers(rows, shapes: list[Shape], device_name: str, crossover_dir: Path, source: Path) -> str:
+    """Write each shape's measured cuda-over-triton crossover (crossover.measured_crossover) for this device."""
+    from vllm_wna16_plugin import crossover
+
+    entries, lines = {}, []
+    for s in shapes:
+        times = {}
+        for shape, m, prov, r in rows:
+            if shape == s.name and prov in ("plugin-cuda", "plugin-triton") and isinstance(r[0], float):
+                times.setdefault(m, {})[prov] = r[0]
+        pairs = {m: (t["plugin-cuda"], t["plugin-triton"]) for m, t in times.items() if len(t) == 2}
+        if not pairs:
+            lines.append(f"{s.name}: plugin-cuda and plugin-triton were not both timed; no crossover")
+            continue
+        max_m = crossover.measured_crossover(pairs)
+        key = crossover.layer_key(s.E, s.H, s.I, s.gs, 4)
+        entries[key] = {
+            "cuda_max_m": max_m,
+            "source": str(source.relative_to(ROOT) if source.is_relative_to(ROOT) else source),
+        }
+        lines.append(f"{s.name}: cuda beats triton up to M={max_m} ({key})")
+    path = crossover.write_crossovers(entries, device_name, crossover_dir)
+    return "\n".join(lines + [f"crossovers written to {path}"])
 
 
 def plot(rows, providers, path: Path) -> None:

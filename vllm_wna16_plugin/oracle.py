@@ -76,8 +76,14 @@ def collect_verdicts(problem: MoEProblem) -> tuple[Verdict, ...]:
 
 
 def select_backend(problem: MoEProblem, requested: str = "auto", source: str = "auto") -> Selection:
-    """The backend to run `problem` with; raises ValueError if an explicit request cannot work."""
+    """The backend to run `problem` with; raises ValueError if an explicit request cannot work.
+
+    Records the outcome in problem.extra["explicit"] (True when the user named the backend), which
+    a backend's prepare may read: an explicit `cuda` always runs the CUDA kernel, while auto's
+    `cuda` hands batches above the measured crossover to triton.
+    """
     backends = registry()
+    problem.extra.pop("explicit", None)  # verdicts are auto's unless stated below
     verdicts = collect_verdicts(problem)
     working = [v.backend for v in verdicts if v.ok]
     if requested != "auto":
@@ -92,10 +98,12 @@ def select_backend(problem: MoEProblem, requested: str = "auto", source: str = "
                 f"moe_wna16_plus: backend '{requested}' ({source}) cannot run {problem.describe()}: "
                 f"{verdict.reason}. Backends that would work: {working or 'none'}"
             )
+        problem.extra["explicit"] = True
         return Selection(backends[requested], requested, source, verdicts)
     if not working:
         raise ValueError(
             f"moe_wna16_plus: no backend can run {problem.describe()}: "
             + "; ".join(f"{v.backend}: {v.reason}" for v in verdicts)
         )
+    problem.extra["explicit"] = False
     return Selection(backends[working[0]], "auto", source, verdicts)

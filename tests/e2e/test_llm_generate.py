@@ -3,7 +3,7 @@
 For each checkpoint, the reference backend (float32 torch, eager) gives the baseline tokens.
 Each backend the plugin accepts then runs the same prompts greedily, with CUDA graphs, and must
 generate like the baseline (conftest.assert_generates_like). vLLM's --moe-backend names are
-passed as --moe-backend; vllm_cuda, which has no vLLM name, goes through
+passed as --moe-backend; vllm_cuda and cuda, which have no vLLM name, go through
 VLLM_WNA16_PLUS_BACKEND. A backend whose oracle rejects the checkpoint must fail at load with
 the plugin's message. vLLM's own paths (its in-tree moe_wna16, and its default method for the
 format) run the same checkpoint. Where they run, they must agree; where they crash, the crash
@@ -41,7 +41,7 @@ CHECKPOINTS = {
 }
 # (how the choice is passed, name): vLLM's --moe-backend names, then the plugin-only one
 BACKENDS = [("moe_backend", "auto"), ("moe_backend", "triton"), ("moe_backend", "marlin"),
-            ("moe_backend", "emulation"), ("env", "vllm_cuda")]  # fmt: skip
+            ("moe_backend", "emulation"), ("env", "vllm_cuda"), ("env", "cuda")]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +82,16 @@ def record(tmp_path, **fields) -> None:
 
 
 def _verdict(checkpoint, backend: str) -> str | None:
-    """The plugin oracle's reason to reject `backend` for this checkpoint on this GPU (None: it runs)."""
-    from vllm_wna16_plugin.tools.demo import device_key
-    from vllm_wna16_plugin.tools.doctor import plan
+    """The plugin oracle's reason to refuse an explicit `backend` for this checkpoint on this GPU (None: it runs)."""
+    import dataclasses
 
-    text = plan(checkpoint, device=device_key(), launch_configs=False)
-    name = "reference" if backend == "emulation" else backend
-    for line in text.splitlines():
-        if line.strip().startswith(f"- {name}: rejected: "):
-            return line.split("rejected: ", 1)[1]
-    return None
+    from vllm_wna16_plugin.backends import registry
+    from vllm_wna16_plugin.tools.demo import device_key
+    from vllm_wna16_plugin.tools.doctor import layer_problem
+
+    problem = layer_problem(checkpoint, device=device_key())
+    problem = dataclasses.replace(problem, extra={"plan_only": True, "explicit": True})
+    return registry()["reference" if backend == "emulation" else backend].incompatibility_reason(problem)
 
 
 @pytest.mark.parametrize("how,backend", BACKENDS, ids=[b for _, b in BACKENDS])

@@ -154,3 +154,25 @@ def test_compute_sanitizer_is_clean(tool):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=os.getcwd())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ERROR SUMMARY: 0 errors" in proc.stdout + proc.stderr
+
+
+def test_auto_runs_cuda_up_to_the_measured_crossover_and_triton_above(tmp_path, monkeypatch):
+    from vllm_wna16_plugin import crossover
+    from vllm_wna16_plugin.backends import triton as triton_backend
+    from vllm_wna16_plugin.kernels import cuda_ops
+    from vllm_wna16_plugin.ops import fused_moe_wna16
+
+    monkeypatch.setattr(crossover, "CROSSOVER_DIR", tmp_path)
+    key = crossover.layer_key(8, 512, 256, 32, 4)
+    crossover.write_crossovers({key: {"cuda_max_m": 2}}, torch.cuda.get_device_name(), tmp_path)
+    ran = []
+    real_cuda, real_triton = cuda_ops.fused_moe_wna16_cuda, triton_backend.TritonBackend.run
+    monkeypatch.setattr(cuda_ops, "fused_moe_wna16_cuda", lambda *a, **k: ran.append("cuda") or real_cuda(*a, **k))
+    monkeypatch.setattr(triton_backend.TritonBackend, "run",
+                        lambda self, *a, **k: ran.append("triton") or real_triton(self, *a, **k))  # fmt: skip
+    for M in (1, 2, 5):
+        p = make_moe_problem(M=M, H=512, I=256, E=8, top_k=2, bits=4, gs1=32, seed=M)
+        args, kw = _cuda(p)
+        out = fused_moe_wna16(*args, **kw, group_size=32, backend="auto")
+        assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), BF16, f"auto M={M}")
+    assert ran == ["cuda", "cuda", "triton"]

@@ -56,3 +56,11 @@ def test_doctor_prints_the_config_error_and_exits_2(gs32_k2048, tmp_path, capsys
     (bad / "config.json").write_text(json.dumps(cfg))
     assert main(["doctor", str(bad)]) == 2
     assert "bits=3" in capsys.readouterr().out
+
+
+def test_layer_problem_is_the_planned_rank(gs32_k2048):
+    from vllm_wna16_plugin.tools.doctor import layer_problem
+
+    p = layer_problem(gs32_k2048, tp=2, device="sm90")
+    assert (p.hidden, p.intermediate, p.num_experts, p.top_k) == (2048, 128, 8, 2)
+    assert (p.group_size_w13, p.group_size_w2, p.platform, p.sm) == (32, 32, "cuda", 90)

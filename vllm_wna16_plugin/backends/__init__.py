@@ -13,7 +13,8 @@ def registry() -> dict[str, Backend]:
     from vllm_wna16_plugin.backends.triton import TritonBackend
     from vllm_wna16_plugin.backends.vllm_cuda import VllmCudaBackend
 
-    backends = [TritonBackend(), CudaBackend(), MarlinBackend(), VllmCudaBackend(), ReferenceBackend()]
+    # cuda first: auto takes it only on a measured crossover, and it hands larger batches to triton
+    backends = [CudaBackend(), TritonBackend(), MarlinBackend(), VllmCudaBackend(), ReferenceBackend()]
     return {b.name: b for b in backends}
 
 

@@ -2,19 +2,45 @@
 
 Its rules: an NVIDIA GPU, the extension built (setup.py), int4 or int8, group sizes the launch-config
 module takes (32/64/128, or channel-wise with K % 32 == 0), K % 8 == 0, no act order, silu/gelu,
-and bf16 only from sm80. `auto` takes it only where a measured crossover says it beats the Triton
-kernel. No measurement exists yet, so `auto` never picks it today; ask for it with
-VLLM_WNA16_PLUS_BACKEND=cuda or backend="cuda".
+and bf16 only from sm80. `auto` takes it only for a layer shape that crossover.py's table lists for
+this device. It then runs batches of up to the measured `cuda_max_m` tokens and hands larger ones
+to the triton backend. The table is empty until bench_moe.py --write-crossover fills it on a GPU,
+so today `auto` never picks `cuda`. An explicit choice (VLLM_WNA16_PLUS_BACKEND=cuda, or
+backend="cuda") always runs the CUDA kernel.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from vllm_wna16_plugin import crossover
 from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_kwargs
 from vllm_wna16_plugin.block_config import CUDA_GROUP_SIZES
 
 CUDA_ACTIVATIONS = ("silu", "gelu")
+
+
+@dataclass
+class CudaState:
+    tensors: KernelTensors
+    cuda_max_m: int | None  # None: an explicit choice, every batch on the CUDA kernel
+
+
+def layer_key(problem: MoEProblem) -> str:
+    """The crossover table's key of this layer (per rank)."""
+    gs = -1 if problem.scheme.is_channelwise else problem.scheme.group_size
+    return crossover.layer_key(problem.num_experts, problem.hidden, problem.intermediate, gs, problem.scheme.bits)
+
+
+def device_name(problem: MoEProblem) -> str | None:
+    """The GPU's name (the crossover file's), or the one a plan names in extra["device_name"]."""
+    if "device_name" in problem.extra:
+        return problem.extra["device_name"]
+    if problem.platform == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return None
 
 
 class CudaBackend(Backend):
@@ -43,19 +69,31 @@ class CudaBackend(Backend):
                     return f"channel-wise {name} K={k} is not a multiple of 32"
             elif gs not in CUDA_GROUP_SIZES:
                 return f"{name} group size {gs} is not one of {list(CUDA_GROUP_SIZES)}"
-        if not problem.extra.get("explicit"):
-            return "not measured faster than the triton backend yet (auto takes it only on a measured crossover)"
+        if not problem.extra.get("explicit") and crossover.cuda_max_m(layer_key(problem), device_name(problem)) == 0:
+            return (
+                "no measured crossover over triton for this shape on this device "
+                "(auto takes cuda only where bench_moe.py --write-crossover measured it faster)"
+            )
         if problem.extra.get("plan_only"):
             return None
         from vllm_wna16_plugin.kernels.cuda_ops import extension_error
 
         return extension_error()
 
-    def run(self, problem: MoEProblem, state: KernelTensors, x, topk_weights, topk_ids, *, expert_map=None):
+    def prepare(self, problem: MoEProblem, tensors: KernelTensors) -> CudaState:
+        if problem.extra.get("explicit"):
+            return CudaState(tensors, None)
+        return CudaState(tensors, crossover.cuda_max_m(layer_key(problem), device_name(problem)))
+
+    def run(self, problem: MoEProblem, state: CudaState, x, topk_weights, topk_ids, *, expert_map=None):
         from vllm_wna16_plugin import _vllm
+        from vllm_wna16_plugin.backends.triton import TritonBackend
         from vllm_wna16_plugin.kernels.cuda_ops import fused_moe_wna16_cuda
 
+        if state.cuda_max_m is not None and x.shape[0] > state.cuda_max_m:  # past the measured crossover
+            return TritonBackend().run(problem, state.tensors, x, topk_weights, topk_ids, expert_map=expert_map)
+        tensors = state.tensors
         return fused_moe_wna16_cuda(
-            x, *state.weights(), topk_weights, topk_ids, **layer_kwargs(problem, state, expert_map),
+            x, *tensors.weights(), topk_weights, topk_ids, **layer_kwargs(problem, tensors, expert_map),
             global_num_experts=problem.global_num_experts, align_fn=_vllm.moe_align_block_size_fn(),
         )  # fmt: skip

@@ -43,7 +43,7 @@ from vllm_wna16_plugin.tools.make_checkpoint import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = ("The capital of France is", "Water is made of hydrogen and", "1 2 3 4 5")
-BACKENDS = ("auto", "triton", "marlin", "vllm_cuda", "reference")
+BACKENDS = ("auto", "triton", "cuda", "marlin", "vllm_cuda", "reference")
 # The CPU check: the layer's output against float math on the same dequantized experts.
 CPU_TOLERANCE = 2**-6  # max |error| / max |exact|: bf16 rounding of the activations, not of the weights
 

@@ -72,6 +72,27 @@ def _launch_config_table(gemms, k: int, e: int, bits: int) -> list[str]:
     return out
 
 
+def _problem(scheme, dims: dict[str, int], i_loc: int, gs13: int, gs2: int, device: str) -> MoEProblem:
+    platform, sm = DEVICES[device]
+    return MoEProblem(scheme=scheme, hidden=dims["hidden"], intermediate=i_loc, num_experts=dims["experts"],
+                      global_num_experts=dims["experts"], top_k=dims["top_k"], group_size_w13=gs13,
+                      group_size_w2=gs2, act_dtype=torch.bfloat16, platform=platform, sm=sm,
+                      has_g_idx=scheme.desc_act, extra={"plan_only": True})  # fmt: skip
+
+
+def layer_problem(model_dir: str | Path, tp: int = 1, device: str = "sm90") -> MoEProblem:
+    """The MoEProblem of the checkpoint's MoE layers on one TP rank of `device`, from config.json alone
+    (extra["plan_only"]: backends judge the device named, not this machine)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    scheme = parse_quantization_config(cfg.get("quantization_config") or cfg.get("compression_config")).scheme
+    dims = moe_dims(cfg)
+    i_loc = dims["intermediate"] // tp
+    gs13 = effective_group_size(scheme, dims["hidden"], layer="experts (gate/up, K=hidden)")
+    gs2 = effective_group_size(scheme, i_loc, layer="experts (down, K=intermediate)", tp_size=tp,
+                               full_size_k=dims["intermediate"])  # fmt: skip
+    return _problem(scheme, dims, i_loc, gs13, gs2, device)
+
+
 def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_configs: bool = True) -> str:
     """The doctor's report as text. Raises ValueError for a bad config (the same error loading gives).
 
@@ -98,11 +119,7 @@ def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_config
         out.append(f"  {name:8s} K={size_k:6d} N={size_n:6d} group={gs if gs != size_k else 'channel'}{regroup}")
     if launch_configs:
         out += _launch_config_table(gemms, k, e, scheme.bits)
-    platform, sm = DEVICES[device]
-    problem = MoEProblem(scheme=scheme, hidden=h, intermediate=i_loc, num_experts=e, global_num_experts=e, top_k=k,
-                         group_size_w13=gs13, group_size_w2=gs2, act_dtype=torch.bfloat16, platform=platform, sm=sm,
-                         has_g_idx=scheme.desc_act, extra={"plan_only": True})  # fmt: skip
-    verdicts = collect_verdicts(problem)
+    verdicts = collect_verdicts(_problem(scheme, dims, i_loc, gs13, gs2, device))
     chosen = next((v.backend for v in verdicts if v.ok), None)
     out += ["", f"backend on {device} (auto): {chosen}"]
     for v in verdicts:

@@ -1,0 +1,85 @@
+"""The measured cuda-over-triton crossover table, and how auto and the cuda backend use it (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from vllm_wna16_plugin import crossover
+from vllm_wna16_plugin.backends import registry
+from vllm_wna16_plugin.backends.cuda import CudaState, layer_key
+from vllm_wna16_plugin.ops import make_problem
+from vllm_wna16_plugin.oracle import select_backend
+
+
+def test_measured_crossover_is_the_contiguous_win_from_the_smallest_m():
+    assert crossover.measured_crossover({1: (10.0, 20.0), 4: (30.0, 40.0), 16: (90.0, 80.0), 64: (1.0, 9.0)}) == 4
+    assert crossover.measured_crossover({1: (25.0, 20.0), 4: (1.0, 40.0)}) == 0
+    assert crossover.measured_crossover({2: (1.0, 2.0), 1: (1.0, 2.0)}) == 2  # order of the dict does not matter
+
+
+def test_table_round_trip_and_bad_entries(tmp_path):
+    key = crossover.layer_key(128, 2048, 768, 128, 4)
+    assert key == "E=128,H=2048,I=768,group_size=128,bits=4"
+    path = crossover.write_crossovers({key: {"cuda_max_m": 8, "source": "x.md"}}, "NVIDIA H200", tmp_path)
+    assert path.name == "NVIDIA_H200.json"
+    assert crossover.cuda_max_m(key, "NVIDIA H200", tmp_path) == 8
+    assert crossover.cuda_max_m(key, "NVIDIA B200", tmp_path) == 0  # another device: no entry
+    assert crossover.cuda_max_m(key, None, tmp_path) == 0
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "X.json").write_text(json.dumps({key: {"cuda_max_m": "many"}}))
+    with pytest.raises(ValueError, match="non-negative integer cuda_max_m"):
+        crossover.cuda_max_m(key, "X", bad)
+
+
+def _sm90_problem(**extra):
+    E, H, I = 8, 256, 128  # noqa: E741
+    p = make_problem(
+        torch.zeros(1, H, dtype=torch.bfloat16), torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8),
+        torch.zeros(E, H, I // 2, dtype=torch.uint8), torch.zeros(E, 2 * I, H // 32, dtype=torch.bfloat16),
+        torch.zeros(E, H, I // 32, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.int32),
+        bits=4, group_size=32, has_zero_point=False,
+    )  # fmt: skip
+    return dataclasses.replace(p, platform="cuda", sm=90, extra={"plan_only": True, "device_name": "GPU X", **extra})
+
+
+def test_auto_takes_cuda_only_where_a_crossover_is_measured(tmp_path, monkeypatch):
+    monkeypatch.setattr(crossover, "CROSSOVER_DIR", tmp_path)
+    problem = _sm90_problem()
+    selection = select_backend(problem)
+    assert selection.backend.name == "triton"
+    assert "cuda: rejected: no measured crossover over triton" in selection.explain()
+    crossover.write_crossovers({layer_key(problem): {"cuda_max_m": 4}}, "GPU X", tmp_path)
+    problem = _sm90_problem()
+    selection = select_backend(problem)
+    assert selection.backend.name == "cuda" and problem.extra["explicit"] is False
+    # auto's cuda keeps the crossover (larger batches go to triton); an explicit cuda runs every batch
+    assert registry()["cuda"].prepare(problem, "tensors") == CudaState("tensors", 4)
+    explicit = _sm90_problem()
+    select_backend(explicit, "cuda", "test")
+    assert registry()["cuda"].prepare(explicit, "tensors") == CudaState("tensors", None)
+
+
+def test_bench_writes_the_crossover_it_measured(tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_moe", bench)  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    shape = next(s for s in bench.SHAPES if s.name == "qwen3-30b-a3b")
+    timed = {1: (10.0, 20.0), 4: (30.0, 35.0), 16: (90.0, 80.0)}  # cuda wins at M=1 and 4
+    rows = [(shape.name, m, prov, (us, us, us, 0.5)) for m, pair in timed.items()
+            for prov, us in zip(("plugin-cuda", "plugin-triton"), pair, strict=True)]  # fmt: skip
+    rows.append((shape.name, 64, "plugin-cuda", ("crash", "boom")))  # an untimed point is ignored
+    report = bench.record_crossovers(rows, [shape], "GPU Y", tmp_path, tmp_path / "run.md")
+    assert "cuda beats triton up to M=4" in report
+    key = crossover.layer_key(128, 2048, 768, 128, 4)
+    assert crossover.cuda_max_m(key, "GPU Y", tmp_path) == 4

@@ -74,6 +74,18 @@ def cuda_group_size(size_k: int, group_size: int) -> int:
     raise ValueError(f"channel-wise K={size_k} is not a multiple of 32; the CUDA kernel cannot take it")
 
 
+def cuda_group_reason(gemm: str, group_size: int, size_k: int) -> str | None:
+    """Why the CUDA launch configs cannot serve this GEMM's group (None: they can). group_size == size_k
+    is channel-wise, presented as a CUDA group (cuda_group_size); otherwise it must be one of CUDA_GROUP_SIZES."""
+    if group_size == size_k:
+        if size_k % min(CUDA_GROUP_SIZES):
+            return f"channel-wise {gemm} K={size_k} is not a multiple of {min(CUDA_GROUP_SIZES)}"
+        return None
+    if group_size not in CUDA_GROUP_SIZES:
+        return f"{gemm} group size {group_size} is not one of {list(CUDA_GROUP_SIZES)}"
+    return None
+
+
 def legal_block_size_k(size_k: int, wished: int, group_size: int) -> int:
     """Largest r * group_size (r in {8, 4, 2, 1}) dividing size_k and not above `wished` (group_size at least)."""
     if size_k % group_size:

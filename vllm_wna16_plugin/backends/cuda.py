@@ -17,7 +17,7 @@ import torch
 
 from vllm_wna16_plugin import crossover
 from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_kwargs
-from vllm_wna16_plugin.block_config import CUDA_GROUP_SIZES
+from vllm_wna16_plugin.block_config import cuda_group_reason
 
 CUDA_ACTIVATIONS = ("silu", "gelu")
 
@@ -64,11 +64,8 @@ class CudaBackend(Backend):
                             ("w2", problem.group_size_w2, problem.intermediate)):  # fmt: skip
             if k % 8:
                 return f"{name} K={k} is not a multiple of 8"
-            if gs == k:
-                if k % min(CUDA_GROUP_SIZES):
-                    return f"channel-wise {name} K={k} is not a multiple of 32"
-            elif gs not in CUDA_GROUP_SIZES:
-                return f"{name} group size {gs} is not one of {list(CUDA_GROUP_SIZES)}"
+            if reason := cuda_group_reason(name, gs, k):
+                return reason
         if not problem.extra.get("explicit") and crossover.cuda_max_m(layer_key(problem), device_name(problem)) == 0:
             return (
                 "no measured crossover over triton for this shape on this device "

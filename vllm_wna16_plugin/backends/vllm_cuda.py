@@ -12,7 +12,7 @@ import torch
 
 from vllm_wna16_plugin.activation import gated_activation
 from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
-from vllm_wna16_plugin.block_config import CUDA_GROUP_SIZES, choose_cuda_block_config, cuda_group_size
+from vllm_wna16_plugin.block_config import choose_cuda_block_config, cuda_group_reason, cuda_group_size
 
 
 def _expand_channelwise(scales: torch.Tensor, zeros: torch.Tensor | None, size_k: int):
@@ -45,11 +45,8 @@ class VllmCudaBackend(Backend):
             ("w13", problem.group_size_w13, problem.hidden),
             ("w2", problem.group_size_w2, problem.intermediate),
         ):
-            if gs == k:  # channel-wise: presented as a CUDA group
-                if k % min(CUDA_GROUP_SIZES):
-                    return f"channel-wise {name} K={k} is not a multiple of 32"
-            elif gs not in CUDA_GROUP_SIZES:
-                return f"{name} group size {gs} is not one of {list(CUDA_GROUP_SIZES)}"
+            if reason := cuda_group_reason(name, gs, k):
+                return reason
         if problem.extra.get("plan_only"):
             return None
         try:

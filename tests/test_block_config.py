@@ -159,3 +159,12 @@ def test_bad_bits_and_sizes_are_value_errors():
         cuda_block_config(1, 1, 8, 2048, 1024, 128, 3)
     with pytest.raises(ValueError, match="must all be positive"):
         cuda_block_config(0, 1, 8, 2048, 1024, 128, 4)
+
+
+def test_cuda_group_reason_names_what_the_cuda_configs_cannot_take():
+    from vllm_wna16_plugin.block_config import cuda_group_reason
+
+    assert cuda_group_reason("w13", 32, 2048) is None
+    assert cuda_group_reason("w2", 704, 704) is None  # channel-wise, presented as group 64
+    assert cuda_group_reason("w2", 176, 176) == "channel-wise w2 K=176 is not a multiple of 32"
+    assert cuda_group_reason("w13", 16, 2048) == "w13 group size 16 is not one of [32, 64, 128]"

@@ -43,9 +43,7 @@ inline std::string launch_config_error(int64_t size_k, int64_t num_groups, int64
     if (block_size_k % group_size != 0 || !(ratio == 1 || ratio == 2 || ratio == 4 || ratio == 8))
       return "BLOCK_SIZE_K=" + str(block_size_k) + " with group_size=" + str(group_size) +
              ": BLOCK_SIZE_K // group_size must be one of [1, 2, 4, 8]";
-  } else if (block_size_k % 32 != 0) {  // channel-wise: presented to the module as a group of 32/64/128
-    return "channel-wise BLOCK_SIZE_K=" + str(block_size_k) + " is not a multiple of 32";
-  }
+  }  // channel-wise: any BLOCK_SIZE_K that divides K (the module presents K as one group, or as 32/64/128)
   if (pick_vector_bytes(size_k, num_groups, bits) == 0)
     return "no vector width fits K=" + str(size_k) + ", group_size=" + str(group_size) + ", int" + str(bits);
   return "";

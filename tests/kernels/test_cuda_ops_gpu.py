@@ -50,7 +50,8 @@ CASES = [
     pytest.param(3, 2048, 96, 16, 8, 4, 128, 32, False, FP16, id="k96-tp8-fp16"),
     pytest.param(16, 2816, 352, 16, 8, 4, -1, -1, False, BF16, id="channelwise-352"),
     pytest.param(64, 1024, 512, 8, 2, 8, 128, 128, True, BF16, id="int8-gs128-zp"),
-    pytest.param(7, 1024, 176, 8, 2, 8, -1, -1, True, FP16, id="int8-channelwise-K176"),  # 8-byte vectors
+    pytest.param(7, 1024, 176, 8, 2, 4, -1, -1, True, FP16, id="channelwise-K176-tp4"),  # 704/4: 8-byte vectors
+    pytest.param(2, 1024, 200, 8, 2, 4, -1, -1, False, BF16, id="channelwise-K200"),  # 4-byte vectors
     pytest.param(33, 512, 256, 64, 6, 4, 64, 64, True, FP16, id="gs64-zp-fp16"),
 ]
 

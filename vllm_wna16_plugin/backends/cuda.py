@@ -1,7 +1,7 @@
 """`cuda`: the plugin's own CUDA WNA16 MoE GEMM (csrc/, torch.ops.wna16_plus) for decode and small batches.
 
 Its rules: an NVIDIA GPU, the extension built (setup.py), int4 or int8, group sizes the launch-config
-module takes (32/64/128, or channel-wise with K % 32 == 0), K % 8 == 0, no act order, silu/gelu,
+module takes (32/64/128) or channel-wise, K % 8 == 0, no act order, silu/gelu,
 and bf16 only from sm80. `auto` takes it only for a layer shape that crossover.py's table lists for
 this device. It then runs batches of up to the measured `cuda_max_m` tokens and hands larger ones
 to the triton backend. The table is empty until bench_moe.py --write-crossover fills it on a GPU,
@@ -64,7 +64,7 @@ class CudaBackend(Backend):
                             ("w2", problem.group_size_w2, problem.intermediate)):  # fmt: skip
             if k % 8:
                 return f"{name} K={k} is not a multiple of 8"
-            if reason := cuda_group_reason(name, gs, k):
+            if gs != k and (reason := cuda_group_reason(name, gs, k)):  # channel-wise: any K % 8 == 0
                 return reason
         if not problem.extra.get("explicit") and crossover.cuda_max_m(layer_key(problem), device_name(problem)) == 0:
             return (

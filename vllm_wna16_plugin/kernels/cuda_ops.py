@@ -47,15 +47,14 @@ MIN_CTAS = 2 * 132  # two blocks per SM of an H100/H200: the grid the launch aim
 
 
 def gemm_config(m: int, top_k: int, num_experts: int, size_k: int, size_n: int, num_groups: int, bits: int):
-    """The launch config of one GEMM: block_config's legal CUDA config (channel-wise as its CUDA group),
+    """The launch config of one GEMM: block_config's legal CUDA config (channel-wise as one group of K),
     with BLOCK_SIZE_N halved (down to 32) while the expected grid has fewer than MIN_CTAS blocks. The
     kernel takes any BLOCK_SIZE_N, so the smaller tile stays legal; decode grids are otherwise a few
     dozen blocks."""
     from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
 
-    cfg = choose_cuda_block_config(
-        m, top_k, num_experts, size_k, size_n, -1 if num_groups == 1 else size_k // num_groups, bits
-    )
+    # channel-wise is one group of K: legal for any K % 8 == 0 (K=176 is 704 at TP4), unlike vLLM's kernel
+    cfg = choose_cuda_block_config(m, top_k, num_experts, size_k, size_n, size_k // num_groups, bits)
     pairs = m * top_k
     hit = expected_experts_hit(pairs, num_experts)
     m_blocks = pairs if cfg.block_size_m == 1 else hit * math.ceil(pairs / hit / cfg.block_size_m)

@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 rc=0
 for step in "$@"; do
   case "$step" in
-    tests) timeout 420 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rs 2>&1 | grep -v "^INFO\|^WARNING" | tee "$OUT/gpu_tests.log" | tail -25 || rc=1 ;;
+    tests) eval "timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rs ${TESTS_ARGS:-}" 2>&1 | grep -v "^INFO\|^WARNING" | tee "$OUT/gpu_tests.log" | tail -25 || rc=1 ;;
     e2e) export E2E_RECORD="$OUT/e2e-record.jsonl"
          eval "timeout ${E2E_TIMEOUT:-540} python3 -m pytest -q -m gpu tests/e2e -p no:cacheprovider -rsx ${E2E_ARGS:-}" 2>&1 | grep -v "^WARNING" | tee "$OUT/e2e.log" | tail -40 || rc=1 ;;
     e2e-bench) timeout ${E2E_BENCH_TIMEOUT:-540} python3 bench/e2e.py --out "$OUT/res" ${E2E_BENCH_ARGS:-} 2>&1 | grep -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/e2e-bench.log" | tail -30 ;;

@@ -72,7 +72,7 @@ template <typename T, int VALS>
 __device__ __forceinline__ void load_activations(const T* src, float (&dst)[VALS]) {
   constexpr int BYTES = VALS * sizeof(T);
   constexpr int CHUNK = BYTES >= 16 ? 16 : BYTES;
-  T vals[VALS];
+  alignas(16) T vals[VALS];
 #pragma unroll
   for (int i = 0; i < BYTES / CHUNK; ++i) {
     using V = typename Vec<CHUNK>::type;
@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) moe_wna16_gemv_kernel(
         float zero_sym = static_cast<float>(1 << (BITS - 1));
 #pragma unroll 2
         for (int v = lane_in_col; v < vecs_per_row; v += lanes) {
-          uint8_t bytes[VEC_BYTES];
+          alignas(16) uint8_t bytes[VEC_BYTES];
           load_bytes<VEC_BYTES>(w_row + static_cast<int64_t>(v) * VEC_BYTES, bytes);
           const int k0 = v * VALS;
           const int g = k0 / group_size;  // a vector never straddles two groups (launch_rules.h)
@@ -259,6 +259,7 @@ void moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const at::Te
               "qweight must be a contiguous (E, N, K*bits/8) uint8 tensor, got ", qweight.sizes(), " ",
               qweight.scalar_type());
   const int64_t E = qweight.size(0), N = qweight.size(1), K = a.size(1);
+  TORCH_CHECK(N * bits % 8 == 0, "N=", N, " int", bits, " does not fill whole bytes of zero points");
   TORCH_CHECK(qweight.size(2) * 8 == K * bits, "qweight has ", qweight.size(2), " bytes per row but K=", K,
               " int", bits, " needs ", K * bits / 8);
   TORCH_CHECK(scales.dim() == 3 && scales.size(0) == E && scales.size(1) == N && scales.is_contiguous() &&
@@ -276,6 +277,7 @@ void moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const at::Te
     TORCH_CHECK(qz.dim() == 3 && qz.size(0) == E && qz.size(1) == N * bits / 8 && qz.size(2) == G &&
                     qz.scalar_type() == at::kByte && qz.is_contiguous(),
                 "qzeros must be a contiguous (E, N*bits/8, G) uint8 tensor, got ", qz.sizes());
+    TORCH_CHECK(qz.device() == a.device(), "qzeros must be on ", a.device());
     z = qz.data_ptr<uint8_t>();
   }
   TORCH_CHECK(c.dim() == 2 && c.size(1) == N && c.is_contiguous() && c.scalar_type() == a.scalar_type(),
@@ -285,6 +287,7 @@ void moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const at::Te
               " pairs at top_k=", top_k);
   const float* tw = nullptr;
   if (topk_weights.has_value()) {
+    TORCH_CHECK(topk_weights->device() == a.device(), "topk_weights must be on ", a.device());
     TORCH_CHECK(topk_weights->scalar_type() == at::kFloat && topk_weights->is_contiguous() &&
                     topk_weights->numel() == num_pairs,
                 "topk_weights must be num_pairs=", num_pairs, " contiguous float32 values");
@@ -293,14 +296,18 @@ void moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const at::Te
   TORCH_CHECK(sorted_token_ids.scalar_type() == at::kInt && expert_ids.scalar_type() == at::kInt &&
                   num_tokens_post_padded.scalar_type() == at::kInt,
               "sorted_token_ids, expert_ids and num_tokens_post_padded must be int32 (moe_align_block_size's)");
+  TORCH_CHECK(sorted_token_ids.dim() == 1 && sorted_token_ids.is_contiguous() && expert_ids.dim() == 1 &&
+                  expert_ids.is_contiguous() && num_tokens_post_padded.numel() >= 1,
+              "sorted_token_ids and expert_ids must be contiguous 1-D tensors, num_tokens_post_padded non-empty");
+  // vLLM's list is numel + E*(BM-1) long (not a whole number of blocks); num_tokens_post_padded is a
+  // multiple of BM no larger than it, so the whole blocks cover every live one.
   const int64_t em = sorted_token_ids.numel();
-  TORCH_CHECK(em % block_size_m == 0 && expert_ids.numel() >= em / block_size_m,
-              "the alignment does not match BLOCK_SIZE_M=", block_size_m, " (", em, " sorted ids, ",
-              expert_ids.numel(), " expert ids)");
+  TORCH_CHECK(expert_ids.numel() >= em / block_size_m, "the alignment does not match BLOCK_SIZE_M=", block_size_m,
+              " (", em, " sorted ids, ", expert_ids.numel(), " expert ids)");
   const at::Tensor* on_device[] = {&qweight, &scales, &c, &sorted_token_ids, &expert_ids, &num_tokens_post_padded};
   for (const at::Tensor* t : on_device)
     TORCH_CHECK(t->device() == a.device(), "every tensor must be on ", a.device());
-  if (em == 0 || num_pairs == 0) return;
+  if (em < block_size_m || num_pairs == 0) return;
 
   const c10::cuda::OptionalCUDAGuard guard(a.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();

@@ -53,6 +53,8 @@ CASES = [
     pytest.param(7, 1024, 176, 8, 2, 4, -1, -1, True, FP16, id="channelwise-K176-tp4"),  # 704/4: 8-byte vectors
     pytest.param(2, 1024, 200, 8, 2, 4, -1, -1, False, BF16, id="channelwise-K200"),  # 4-byte vectors
     pytest.param(33, 512, 256, 64, 6, 4, 64, 64, True, FP16, id="gs64-zp-fp16"),
+    pytest.param(17, 1024, 512, 16, 4, 8, 32, 32, False, FP16, id="int8-sym-gs32-fp16"),
+    pytest.param(2, 768, 384, 8, 2, 8, -1, -1, False, BF16, id="int8-sym-channelwise"),
 ]
 
 

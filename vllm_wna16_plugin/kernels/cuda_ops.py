@@ -139,12 +139,18 @@ def fused_moe_wna16_cuda(
     sorted_ids, expert_ids, num_post_pad = align_fn(
         topk_ids, cfg1.block_size_m, global_num_experts, expert_map, ignore_invalid_experts=True
     )
-    a = x if x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0 else x.contiguous()
+    # the kernel reads A rows in 16-byte vectors: a fresh copy when x's rows are not 16-byte aligned
+    a = (
+        x
+        if x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0
+        else x.clone(memory_format=torch.contiguous_format)
+    )
     weights = topk_weights.reshape(-1).float()
     if apply_router_weight_on_input:
-        a = (a.float() * topk_weights.float().view(m, 1)).to(x.dtype)  # top_k == 1 (checked by the caller)
-    # zeros: pairs whose expert another rank holds are skipped by the alignment and must add 0
-    h1 = torch.zeros(m * top_k, two_i, dtype=x.dtype, device=x.device)
+        a = (a.float() * topk_weights.float().reshape(m, 1)).to(x.dtype)  # top_k == 1 (checked by the caller)
+    # rows of pairs the alignment skips (experts on other ranks) stay unwritten in h1 and act, and GEMM2
+    # skips them too; their h2 rows must add 0 in the top-k sum, so h2 starts as zeros
+    h1 = torch.empty(m * top_k, two_i, dtype=x.dtype, device=x.device)
     invoke_moe_wna16_gemm(a, w13_qweight, w13_scales, w13_qzeros, h1, None, sorted_ids, expert_ids, num_post_pad,
                           bits=bits, top_k=top_k, config=cfg1)  # fmt: skip
     act = gated_activation_triton(h1, activation)

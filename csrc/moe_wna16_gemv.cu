@@ -314,6 +314,8 @@ void moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const at::Te
   const int64_t vec_bytes = pick_vector_bytes(K, G, bits);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(qweight.data_ptr()) % vec_bytes == 0,
               "qweight must start on a ", vec_bytes, "-byte boundary (it is a view at an odd offset?)");
+  TORCH_CHECK((N + block_size_n - 1) / block_size_n <= 65535 && em / block_size_m <= 2147483647,
+              "grid too large: N=", N, " with BLOCK_SIZE_N=", block_size_n);
   const dim3 grid(static_cast<unsigned>(em / block_size_m), static_cast<unsigned>((N + block_size_n - 1) / block_size_n));
   if (a.scalar_type() == at::kHalf) {
     launch_typed<__half>(bits, vec_bytes, grid, stream, a, qweight, scales, z, tw, sorted_token_ids, expert_ids,

@@ -53,7 +53,12 @@ def cuda_extension():
           f"(torch {torch.__version__}, CUDA_HOME={CUDA_HOME})")  # fmt: skip
     ext = CUDAExtension(
         name="vllm_wna16_plugin._C",
-        sources=["csrc/torch_bindings.cpp", "csrc/moe_wna16_gemv.cu"],
+        sources=[
+            "csrc/torch_bindings.cpp",
+            "csrc/moe_wna16_gemm.cu",
+            "csrc/moe_wna16_gemv.cu",
+            "csrc/moe_wna16_mma.cu",
+        ],
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
         py_limited_api=False,

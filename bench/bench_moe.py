@@ -166,13 +166,17 @@ class NotApplicable(Exception):
 def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
     """(backend, problem, prepared state) of a plugin provider; vllm-marlin is our delegation to vLLM's Marlin."""
     name = "marlin" if prov == "vllm-marlin" else prov.removeprefix("plugin-")
-    use_td = None
+    use_td, cuda_kernel = None, None
+    if name == "cuda-gemv":  # the CUDA-core kernel, where the tensor-core one would run
+        name, cuda_kernel = "cuda", "gemv"
     if name.startswith("triton"):
         use_td, name = name.endswith("-td"), "triton"
     problem = make_problem(x, w.q13, w.q2, w.scales13, w.scales2, topk_ids, bits=4, group_size=gs,
                            has_zero_point=False)  # fmt: skip
     if use_td is not None:
         problem.extra["use_td"] = use_td
+    if cuda_kernel is not None:
+        problem.extra["cuda_kernel"] = cuda_kernel
     problem.extra["explicit"] = True  # each provider is asked for by name (cuda is not auto's yet)
     backend = registry()[name]
     reason = backend.incompatibility_reason(problem)

@@ -49,4 +49,10 @@ inline std::string launch_config_error(int64_t size_k, int64_t num_groups, int64
   return "";
 }
 
+// The tensor-core kernel (moe_wna16_mma.cu) reads each weight row in whole 16-byte chunks that never
+// straddle a scale group; other legal shapes run on the CUDA-core kernel (moe_wna16_gemv.cu).
+inline bool mma_kernel_fits(int64_t size_k, int64_t num_groups, int64_t bits) {
+  return pick_vector_bytes(size_k, num_groups, bits) == 16;
+}
+
 }  // namespace wna16_plus

@@ -13,11 +13,16 @@ void moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const at::Te
                     const std::optional<at::Tensor>& qzeros, const std::optional<at::Tensor>& topk_weights,
                     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                     const at::Tensor& num_tokens_post_padded, at::Tensor& c, int64_t bits, int64_t top_k,
-                    int64_t block_size_m, int64_t block_size_n, int64_t block_size_k);
+                    int64_t block_size_m, int64_t block_size_n, int64_t block_size_k, const std::string& kernel,
+                    const std::string& activation);
 
 std::string check_launch_config(int64_t size_k, int64_t num_groups, int64_t block_size_m, int64_t block_size_n,
                                 int64_t block_size_k, int64_t bits) {
   return launch_config_error(size_k, num_groups, block_size_m, block_size_n, block_size_k, bits);
+}
+
+bool check_mma_kernel_fits(int64_t size_k, int64_t num_groups, int64_t bits) {
+  return mma_kernel_fits(size_k, num_groups, bits);
 }
 }  // namespace wna16_plus
 
@@ -25,11 +30,12 @@ TORCH_LIBRARY(wna16_plus, m) {
   m.def(
       "moe_wna16_gemm(Tensor a, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? topk_weights, "
       "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor(c!) c, int bits, "
-      "int top_k, int block_size_m, int block_size_n, int block_size_k) -> ()");
+      "int top_k, int block_size_m, int block_size_n, int block_size_k, str kernel=\"auto\", str activation=\"none\") -> ()");
   // no tensors: a catch-all kernel, callable on any machine (the CPU test enumerates configs with it)
   m.def("check_launch_config(int size_k, int num_groups, int block_size_m, int block_size_n, int block_size_k, "
         "int bits) -> str",
         &wna16_plus::check_launch_config);
+  m.def("mma_kernel_fits(int size_k, int num_groups, int bits) -> bool", &wna16_plus::check_mma_kernel_fits);
 }
 
 TORCH_LIBRARY_IMPL(wna16_plus, CUDA, m) { m.impl("moe_wna16_gemm", &wna16_plus::moe_wna16_gemm); }

@@ -58,13 +58,25 @@ CASES = [
 ]
 
 
+# "auto": the tensor-core kernel wherever rows split into 16-byte chunks inside a group (K=176 and K=200
+# do not: their GEMM falls back to the CUDA-core kernel); "gemv": the CUDA-core kernel everywhere
+@pytest.mark.parametrize("kernel", ["auto", "gemv"])
 @pytest.mark.parametrize("M, H, I, E, top_k, bits, gs1, gs2, zp, dtype", CASES)
-def test_cuda_layer_matches_reference(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype):  # noqa: E741
+def test_cuda_layer_matches_reference(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype, kernel):  # noqa: E741
     p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype, seed=M)
     args, kw = _cuda(p)
-    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align())
+    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), kernel=kernel)
     ref = fused_moe_wna16_ref(*args, **kw)
-    assert_close_scaled(out.cpu(), ref.cpu(), dtype, "cuda layer")
+    assert_close_scaled(out.cpu(), ref.cpu(), dtype, f"cuda layer ({kernel})")
+
+
+@pytest.mark.parametrize("kernel", ["auto", "gemv"])  # the activation fused in the mma kernel, or apart
+def test_gelu_gated_activation(kernel):
+    p = make_moe_problem(M=5, H=1024, I=384, E=8, top_k=2, bits=4, gs1=64, zp=True, seed=21)
+    args, kw = _cuda(p)
+    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), activation="gelu", kernel=kernel)
+    ref = fused_moe_wna16_ref(*args, **kw, activation="gelu")
+    assert_close_scaled(out.cpu(), ref.cpu(), BF16, f"gelu ({kernel})")
 
 
 def test_expert_map_and_router_weight_on_input():
@@ -79,28 +91,60 @@ def test_expert_map_and_router_weight_on_input():
         assert_close_scaled(out.cpu(), ref.cpu(), BF16, f"expert_map, weight on input={on_input}")
 
 
-@pytest.mark.parametrize("block_m", [1, 2, 4, 8, 16])
-@pytest.mark.parametrize("block_n", [32, 128, 256, 1024])
-@pytest.mark.parametrize("bits,gs,block_k", [(4, 32, 256), (4, 128, 128), (8, -1, 64)])
-def test_every_config_kind_computes_the_gemm(block_m, block_n, bits, gs, block_k):
-    # one GEMM (N=1536, K=1024) under each BLOCK_SIZE_M / BLOCK_SIZE_N the module can produce
-    from vllm_wna16_plugin.block_config import BlockConfig
-
-    E, N, K, M, top_k = 16, 1536, 1024, 9, 4
-    gen = torch.Generator().manual_seed(block_m * 7 + block_n)
-    kw = quantized_experts(E, N, K, bits, gs, True, BF16, gen)
-    a = torch.randn(M, K, generator=gen).to(BF16).cuda()
+def _check_one_gemm(E, N, K, M, top_k, bits, gs, zp, dtype, cfg, kernel, seed):
+    """One grouped GEMM through invoke_moe_wna16_gemm against einsum on the float32 dequantized weights."""
+    gen = torch.Generator().manual_seed(seed)
+    kw = quantized_experts(E, N, K, bits, gs, zp, dtype, gen)
+    a = torch.randn(M, K, generator=gen).to(dtype).cuda()
     ids = torch.randint(0, E, (M, top_k), generator=gen, dtype=torch.int32).cuda()
     weights = torch.rand(M * top_k, generator=gen).cuda()
-    cfg = BlockConfig(block_m, block_n, block_k, K, 32 if gs == -1 else gs)
-    sorted_ids, expert_ids, npp = _align()(ids, block_m, E, None, ignore_invalid_experts=True)
-    c = torch.full((M * top_k, N), float("nan"), dtype=BF16, device="cuda")
-    invoke_moe_wna16_gemm(a, kw.qweight.cuda(), kw.scales.cuda(), kw.qzeros.cuda(), c, weights, sorted_ids,
-                          expert_ids, npp, bits=bits, top_k=top_k, config=cfg)  # fmt: skip
+    sorted_ids, expert_ids, npp = _align()(ids, cfg.block_size_m, E, None, ignore_invalid_experts=True)
+    c = torch.full((M * top_k, N), float("nan"), dtype=dtype, device="cuda")
+    qzeros = kw.qzeros.cuda() if kw.qzeros is not None else None
+    invoke_moe_wna16_gemm(a, kw.qweight.cuda(), kw.scales.cuda(), qzeros, c, weights, sorted_ids,
+                          expert_ids, npp, bits=bits, top_k=top_k, config=cfg, kernel=kernel)  # fmt: skip
     w = dequantize_ref(kw.qweight, kw.scales, kw.qzeros, bits).cuda()  # (E, N, K) float32
     pairs = torch.arange(M * top_k, device="cuda")
     ref = torch.einsum("pk,pnk->pn", a.float()[pairs // top_k], w[ids.reshape(-1).long()]) * weights[:, None]
-    assert_close_scaled(c.cpu(), ref.cpu(), BF16, f"BLOCK {block_m}x{block_n}x{block_k}")
+    assert_close_scaled(c.cpu(), ref.cpu(), dtype, f"{kernel} BLOCK {cfg.block_size_m}x{cfg.block_size_n}, N={N} K={K}")
+
+
+@pytest.mark.parametrize("kernel", ["mma", "gemv"])
+@pytest.mark.parametrize("block_m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("block_n", [32, 128, 256, 1024])
+@pytest.mark.parametrize("bits,gs,block_k", [(4, 32, 256), (4, 128, 128), (8, -1, 64)])
+def test_every_config_kind_computes_the_gemm(block_m, block_n, bits, gs, block_k, kernel):
+    # one GEMM (N=1536, K=1024) under each BLOCK_SIZE_M / BLOCK_SIZE_N the module can produce
+    from vllm_wna16_plugin.block_config import BlockConfig
+
+    cfg = BlockConfig(block_m, block_n, block_k, 1024, 32 if gs == -1 else gs)
+    _check_one_gemm(16, 1536, 1024, 9, 4, bits, gs, True, BF16, cfg, kernel, seed=block_m * 7 + block_n)
+
+
+@pytest.mark.parametrize(
+    "N, K, bits, gs, zp, dtype, block_m, block_n, M",
+    [
+        (200, 1344, 4, 32, True, BF16, 1, 48, 3),  # 3 column tiles (ksplit 2), a half 16-row tile, K a half step
+        (200, 1344, 4, 32, False, FP16, 9, 200, 40),  # two 8-token tiles per pass, a partial last tile
+        (208, 96, 4, 32, True, BF16, 64, 16, 100),  # 4 passes of 16 tokens, 1 tile (ksplit 8), K < one step
+        (96, 704, 8, -1, True, FP16, 16, 32, 20),  # int8 channel-wise, 22 chunks
+        (64, 2048, 8, 64, False, BF16, 3, 64, 7),  # int8 symmetric, 4 tiles
+        (512, 2048, 4, 128, True, FP16, 16, 512, 64),  # 32 tiles: each warp 4 tiles, no K split
+    ],
+)
+def test_mma_kernel_tails_and_work_splits(N, K, bits, gs, zp, dtype, block_m, block_n, M):
+    from vllm_wna16_plugin.block_config import BlockConfig
+
+    cfg = BlockConfig(block_m, block_n, K if gs == -1 else gs, K, K if gs == -1 else gs)
+    _check_one_gemm(8, N, K, M, 2, bits, gs, zp, dtype, cfg, "mma", seed=N + K + block_m)
+
+
+def test_mma_kernel_is_refused_where_chunks_straddle():
+    from vllm_wna16_plugin.block_config import BlockConfig
+
+    cfg = BlockConfig(1, 32, 176, 176, 176)  # K=176 int4: 88-byte rows, no 16-byte chunks
+    with pytest.raises(RuntimeError, match="the mma kernel needs 16-byte chunks"):
+        _check_one_gemm(4, 64, 176, 2, 2, 4, -1, False, BF16, cfg, "mma", seed=0)
 
 
 def test_decode_step_captures_in_a_cuda_graph():
@@ -139,7 +183,8 @@ SANITIZED = textwrap.dedent(
     p = make_moe_problem(M=3, H=1344, I=256, E=8, top_k=2, bits=4, gs1=32, zp=True, seed=1)
     args = [t.cuda() for t in p.args()]
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in p.kwargs().items()}
-    fused_moe_wna16_cuda(*args, **kw, align_fn=_vllm.moe_align_block_size_fn())
+    for kernel in ("mma", "gemv"):
+        fused_moe_wna16_cuda(*args, **kw, align_fn=_vllm.moe_align_block_size_fn(), kernel=kernel)
     torch.cuda.synchronize()
     """
 )
@@ -151,7 +196,7 @@ def test_compute_sanitizer_is_clean(tool):
     if exe is None:
         pytest.skip("compute-sanitizer is not on PATH")
     # only our kernel: torch's and Triton's own kernels are not ours to vouch for
-    cmd = [exe, f"--tool={tool}", "--error-exitcode=99", "--kernel-name", "kns=moe_wna16_gemv",
+    cmd = [exe, f"--tool={tool}", "--error-exitcode=99", "--kernel-name", "kns=moe_wna16",
            sys.executable, "-c", SANITIZED]  # fmt: skip
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=os.getcwd())

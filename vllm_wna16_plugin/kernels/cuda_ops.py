@@ -3,9 +3,9 @@
 `extension_error()` says why the compiled extension is unusable (None when it loads).
 `launch_config_error(...)` asks the compiled launch rules (csrc/launch_rules.h) whether the kernel
 takes a config; it needs no GPU. `fused_moe_wna16_cuda(...)` runs one MoE layer: the token
-alignment (vLLM's moe_align_block_size, passed in as align_fn), the CUDA GEMM for gate/up, the
-Triton gated activation, the CUDA GEMM for down with the router weights, and the Triton top-k
-sum. No vLLM import here.
+alignment (vLLM's moe_align_block_size, passed in as align_fn), the CUDA GEMM for gate/up with the
+gated activation fused (tensor-core kernel; else a separate Triton activation), the CUDA GEMM for
+down with the router weights, and the Triton top-k sum. No vLLM import here.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ MIN_CTAS = 2 * 132  # two blocks per SM of an H100/H200: the grid the launch aim
 
 def gemm_config(m: int, top_k: int, num_experts: int, size_k: int, size_n: int, num_groups: int, bits: int):
     """The launch config of one GEMM: block_config's legal CUDA config (channel-wise as one group of K),
-    with BLOCK_SIZE_N halved (down to 32) while the expected grid has fewer than MIN_CTAS blocks. The
+    with BLOCK_SIZE_N halved (down to 16) while the expected grid has fewer than MIN_CTAS blocks. The
     kernel takes any BLOCK_SIZE_N, so the smaller tile stays legal; decode grids are otherwise a few
     dozen blocks."""
     from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
@@ -59,7 +59,7 @@ def gemm_config(m: int, top_k: int, num_experts: int, size_k: int, size_n: int, 
     hit = expected_experts_hit(pairs, num_experts)
     m_blocks = pairs if cfg.block_size_m == 1 else hit * math.ceil(pairs / hit / cfg.block_size_m)
     bn = cfg.block_size_n
-    while bn > 32 and m_blocks * -(-size_n // bn) < MIN_CTAS:
+    while bn > 16 and m_blocks * -(-size_n // bn) < MIN_CTAS:
         bn //= 2
     return BlockConfig(cfg.block_size_m, bn, cfg.block_size_k, cfg.size_k, cfg.group_size)
 
@@ -78,11 +78,18 @@ def invoke_moe_wna16_gemm(
     bits: int,
     top_k: int,  # the A row of pair p is p // top_k
     config: BlockConfig,
+    kernel: str = "auto",
+    activation: str = "none",
 ) -> torch.Tensor:
-    """One grouped GEMM on torch.ops.wna16_plus.moe_wna16_gemm; the op checks every argument first."""
+    """One grouped GEMM on torch.ops.wna16_plus.moe_wna16_gemm; the op checks every argument first.
+
+    kernel: "auto" (the tensor-core kernel wherever a weight row splits into 16-byte chunks inside
+    one scale group, else the CUDA-core one), or "mma" / "gemv" to force one (tests, benchmarks).
+    activation: "silu" / "gelu" fuses the gated activation (mma kernel only): rows n and N/2 + n of
+    qweight are gate and up of output column n, and c is (num_pairs, N/2)."""
     torch.ops.wna16_plus.moe_wna16_gemm(
         a, qweight, scales, qzeros, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, c,
-        bits, top_k, config.block_size_m, config.block_size_n, config.block_size_k,
+        bits, top_k, config.block_size_m, config.block_size_n, config.block_size_k, kernel, activation,
     )  # fmt: skip
     return c
 
@@ -113,11 +120,13 @@ def fused_moe_wna16_cuda(
     apply_router_weight_on_input: bool = False,
     expert_map: torch.Tensor | None = None,
     global_num_experts: int = -1,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """out[t] = sum_j w[t,j] * W2[e] @ act(W13[e] @ x[t]), e = topk_ids[t,j]; the reference's contract.
 
     align_fn: vLLM's moe_align_block_size(topk_ids, block_size, num_experts, expert_map,
     ignore_invalid_experts=True). Both GEMMs share one alignment (the same BLOCK_SIZE_M).
+    kernel: see invoke_moe_wna16_gemm.
     """
     from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton, moe_sum_triton
 
@@ -132,7 +141,9 @@ def fused_moe_wna16_cuda(
     out = torch.empty_like(x)
     if m == 0:
         return out
-    cfg1 = gemm_config(m, top_k, num_experts, hidden, two_i, w13_scales.shape[-1], bits)
+    # GEMM1 with the activation fused where the tensor-core kernel runs it (its output columns are I)
+    fuse = kernel != "gemv" and torch.ops.wna16_plus.mma_kernel_fits(hidden, w13_scales.shape[-1], bits)
+    cfg1 = gemm_config(m, top_k, num_experts, hidden, inter if fuse else two_i, w13_scales.shape[-1], bits)
     cfg2 = gemm_config(m, top_k, num_experts, inter, hidden, w2_scales.shape[-1], bits)
     if cfg2.block_size_m != cfg1.block_size_m:  # one alignment for both GEMMs
         cfg2 = BlockConfig(cfg1.block_size_m, cfg2.block_size_n, cfg2.block_size_k, cfg2.size_k, cfg2.group_size)
@@ -148,16 +159,20 @@ def fused_moe_wna16_cuda(
     weights = topk_weights.reshape(-1).float()
     if apply_router_weight_on_input:
         a = (a.float() * topk_weights.float().reshape(m, 1)).to(x.dtype)  # top_k == 1 (checked by the caller)
-    # rows of pairs the alignment skips (experts on other ranks) stay unwritten in h1 and act, and GEMM2
-    # skips them too; their h2 rows must add 0 in the top-k sum, so h2 starts as zeros
-    h1 = torch.empty(m * top_k, two_i, dtype=x.dtype, device=x.device)
-    invoke_moe_wna16_gemm(a, w13_qweight, w13_scales, w13_qzeros, h1, None, sorted_ids, expert_ids, num_post_pad,
-                          bits=bits, top_k=top_k, config=cfg1)  # fmt: skip
-    act = gated_activation_triton(h1, activation)
-    h2 = torch.zeros(m * top_k, hidden, dtype=x.dtype, device=x.device)
-    invoke_moe_wna16_gemm(act, w2_qweight, w2_scales, w2_qzeros, h2,
-                          None if apply_router_weight_on_input else weights, sorted_ids, expert_ids, num_post_pad,
-                          bits=bits, top_k=1, config=cfg2)  # fmt: skip
+    gemm = functools.partial(invoke_moe_wna16_gemm, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
+                             num_tokens_post_padded=num_post_pad, bits=bits, kernel=kernel)  # fmt: skip
+    if fuse:
+        act = torch.empty(m * top_k, inter, dtype=x.dtype, device=x.device)
+        gemm(a, w13_qweight, w13_scales, w13_qzeros, act, None, top_k=top_k, config=cfg1, activation=activation)
+    else:
+        h1 = torch.empty(m * top_k, two_i, dtype=x.dtype, device=x.device)
+        gemm(a, w13_qweight, w13_scales, w13_qzeros, h1, None, top_k=top_k, config=cfg1)
+        act = gated_activation_triton(h1, activation)
+    # rows of pairs the alignment skips (experts of other ranks, with an expert_map) stay unwritten in
+    # act and h2; their h2 rows must add 0 in the top-k sum, so h2 then starts as zeros
+    h2 = (torch.empty if expert_map is None else torch.zeros)(m * top_k, hidden, dtype=x.dtype, device=x.device)
+    gemm(act, w2_qweight, w2_scales, w2_qzeros, h2, None if apply_router_weight_on_input else weights,
+         top_k=1, config=cfg2)  # fmt: skip
     return moe_sum_triton(h2, out, top_k)
 
 

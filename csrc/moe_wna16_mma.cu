@@ -19,7 +19,12 @@
 // Work split: lane (g, q) = (lane / 4, lane % 4) owns rows g and g + 8 of a 16-row tile and chunk
 // 4 * step + q of each step. The 8 warps of a block share its columns: each warp takes one 16-row
 // tile; when the block has fewer than 8 tiles the warps split K (ksplit) and add their partial sums
-// through shared memory. Weights are streamed with L1-bypassing loads, kDepth steps ahead.
+// through shared memory.
+//
+// The weight stream is a cp.async pipeline kStages deep: each lane copies its own chunks (and the
+// 4-byte words holding their scale and zero point) into its own slots of a shared-memory ring and
+// reads back only what it copied itself, so no barrier is needed; kStages - 1 steps per warp are
+// in flight while one is computed, which is what keeps HBM busy at M = 1.
 //
 // Gated activation (GEMM1 of a MoE layer, p.activation != 0): a tile is 8 output columns n, whose
 // gate rows n are the fragment's rows g and whose up rows N/2 + n are its rows g + 8. Each lane then
@@ -33,8 +38,11 @@
 namespace wna16_plus {
 namespace {
 
-constexpr int kDepth = 2;  // steps of weights in flight per warp, besides the one computed
+constexpr int kStages = 6;  // cp.async ring depth (steps per warp)
 
+// Shared memory of the ring, per block: 16-byte weight chunks and 4-byte scale / zero-point words
+// of 2 rows for every thread and stage.
+constexpr int kRingBytes = kStages * 2 * kThreads * (16 + 4 + 4);
 template <typename T>
 struct Pair;
 template <>
@@ -63,13 +71,20 @@ __device__ __forceinline__ P as_pair(uint32_t v) {
   return *reinterpret_cast<P*>(&v);
 }
 
-// 16 bytes of the weight stream: read once, so not kept in L1 (the activations live there).
-__device__ __forceinline__ uint4 load_stream(const uint8_t* src) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(src));
-  return v;
+__device__ __forceinline__ uint32_t shared_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// BYTES from global to shared memory, asynchronously; zeros when !valid (nothing is read then).
+__device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void copy_async4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(shared_addr(dst)), "l"(src), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::); }
+template <int PENDING>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
 }
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
@@ -100,25 +115,48 @@ struct RowChunk {
   float zero;
 };
 
-template <int BITS>
-struct ChunkLoader {
+// This lane's slots of the ring: stage d, row r (0: lo, 1: hi).
+struct Ring {
+  uint4* w;
+  uint32_t* s;
+  uint32_t* z;
+  __device__ __forceinline__ int slot(int d, int r) const { return (d * 2 + r) * kThreads + threadIdx.x; }
+};
+
+// Where one of the lane's two rows lives; issue() starts the copies of a chunk, read() returns it.
+template <typename T, int BITS>
+struct RowStream {
   const uint8_t* w_row;
-  const void* s_row;  // T*
-  const uint8_t* z_row;  // zero-point bytes of this row's group list, or nullptr
-  int z_shift;           // 4 for odd n of int4 (high nibble), else 0
+  int64_t s_index;  // element index of the row's first scale in the scales tensor
+  int64_t z_index;  // byte index of the row's first zero-point byte, or -1 (symmetric)
+  int z_shift;      // 4 for odd n of int4 (high nibble), else 0
   bool valid;
 
-  template <typename T>
-  __device__ __forceinline__ RowChunk load(int chunk, int chunks, int group_size) const {
-    constexpr int kVals = 128 / BITS;
-    RowChunk r{make_uint4(0, 0, 0, 0), 0.0f, static_cast<float>(1 << (BITS - 1))};
-    if (valid && chunk < chunks) {
-      r.w = load_stream(w_row + static_cast<int64_t>(chunk) * 16);
-      const int g = chunk * kVals / group_size;
-      r.scale = to_float(__ldg(static_cast<const T*>(s_row) + g));
-      if (z_row != nullptr) r.zero = static_cast<float>((__ldg(z_row + g) >> z_shift) & ((1 << BITS) - 1));
+  __device__ __forceinline__ void issue(const GemmParams& p, const Ring& ring, int d, int r, int chunk, int chunks,
+                                        int group_size) const {
+    const bool live = valid && chunk < chunks;
+    const int g = live ? chunk * (128 / BITS) / group_size : 0;
+    const int slot = ring.slot(d, r);
+    copy_async16(ring.w + slot, live ? w_row + static_cast<int64_t>(chunk) * 16 : p.qweight, live);
+    const int64_t si = s_index + g;  // the aligned 4-byte word holding the scale
+    copy_async4(ring.s + slot, static_cast<const uint8_t*>(p.scales) + ((si * 2) & ~int64_t{3}), live);
+    if (z_index >= 0) copy_async4(ring.z + slot, p.qzeros + ((z_index + g) & ~int64_t{3}), live);
+  }
+
+  __device__ __forceinline__ RowChunk read(const Ring& ring, int d, int r, int chunk, int group_size) const {
+    const int g = chunk * (128 / BITS) / group_size;
+    const int slot = ring.slot(d, r);
+    RowChunk out;
+    out.w = ring.w[slot];
+    const uint32_t sw = ring.s[slot];
+    const uint16_t bits = static_cast<uint16_t>(((s_index + g) & 1) ? sw >> 16 : sw & 0xFFFFu);
+    out.scale = to_float(*reinterpret_cast<const T*>(&bits));
+    out.zero = static_cast<float>(1 << (BITS - 1));
+    if (z_index >= 0) {
+      const uint32_t zw = ring.z[slot];
+      out.zero = static_cast<float>((zw >> (8 * ((z_index + g) & 3) + z_shift)) & ((1u << BITS) - 1));
     }
-    return r;
+    return out;
   }
 };
 
@@ -170,6 +208,9 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
   constexpr int kChunkVals = 128 / BITS;  // k per 16-byte chunk
   __shared__ int s_pairs[kMaxBlockM];
   __shared__ float s_partial[kWarps][TT][4][32];
+  extern __shared__ uint4 s_ring[];  // kRingBytes
+  const Ring ring{s_ring, reinterpret_cast<uint32_t*>(s_ring + kStages * 2 * kThreads),
+                  reinterpret_cast<uint32_t*>(s_ring + kStages * 2 * kThreads) + kStages * 2 * kThreads};
   const int n_begin = blockIdx.y * p.block_n;
   const int n_end = min(p.out_n, n_begin + p.block_n);  // output columns
   int expert;
@@ -213,73 +254,75 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
       const int n_lo = n_begin + tile * tile_cols + g, n_hi = gated ? n_lo : n_lo + 8;
 
       if (active) {
-        ChunkLoader<BITS> rows[2];
+        RowStream<T, BITS> rows[2];
         const int ns[2] = {n_lo, gated ? n_lo + p.out_n : n_hi};
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int n = ns[r];
+          const int64_t row = static_cast<int64_t>(expert) * p.N + n;
           rows[r].valid = (r == 0 ? n_lo : n_hi) < n_end;
-          rows[r].w_row = p.qweight + (static_cast<int64_t>(expert) * p.N + n) * row_bytes;
-          rows[r].s_row = static_cast<const T*>(p.scales) + (static_cast<int64_t>(expert) * p.N + n) * p.num_groups;
-          rows[r].z_row = p.qzeros == nullptr
-                              ? nullptr
-                              : p.qzeros + (static_cast<int64_t>(expert) * p.N * BITS / 8 + n * BITS / 8) * p.num_groups;
+          rows[r].w_row = p.qweight + row * row_bytes;
+          rows[r].s_index = row * p.num_groups;
+          rows[r].z_index =
+              p.qzeros == nullptr ? -1 : (static_cast<int64_t>(expert) * p.N * BITS / 8 + n * BITS / 8) * p.num_groups;
           rows[r].z_shift = BITS == 4 && (n & 1) ? 4 : 0;
         }
-        RowChunk stage[kDepth][2];
+        // this warp's steps: kslice, kslice + ksplit, ...; kStages - 1 of them in flight
+        const int my_steps = kslice < steps ? (steps - kslice + ksplit - 1) / ksplit : 0;
+        auto issue_step = [&](int i) {
+          if (i < my_steps) {
+            const int chunk = (kslice + i * ksplit) * 4 + q;
 #pragma unroll
-        for (int d = 0; d < kDepth; ++d)
+            for (int r = 0; r < 2; ++r) rows[r].issue(p, ring, i % kStages, r, chunk, chunks, group_size);
+          }
+          commit_copies();  // one group per step, empty past the end: the wait count stays exact
+        };
 #pragma unroll
-          for (int r = 0; r < 2; ++r)
-            stage[d][r] = rows[r].template load<T>((kslice + d * ksplit) * 4 + q, chunks, group_size);
+        for (int i = 0; i < kStages - 1; ++i) issue_step(i);
 
-        for (int s0 = kslice; s0 < steps; s0 += kDepth * ksplit) {
+        for (int i = 0; i < my_steps; ++i) {
+          const int chunk = (kslice + i * ksplit) * 4 + q;
+          // B: this lane's token's 16-byte activation vectors of the chunk (zeros past K or for no token)
+          constexpr int kVecs = kChunkVals * sizeof(T) / 16;
+          uint4 x[TT][kVecs];
 #pragma unroll
-          for (int d = 0; d < kDepth; ++d) {
-            const int step = s0 + d * ksplit;
-            const int chunk = step * 4 + q;
-            if (step < steps) {
-              // B: this lane's token's 16-byte activation vectors of the chunk (zeros past K or for no token)
-              constexpr int kVecs = kChunkVals * sizeof(T) / 16;
-              uint4 x[TT][kVecs];
+          for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
-              for (int tt = 0; tt < TT; ++tt)
+            for (int v = 0; v < kVecs; ++v)
+              x[tt][v] = a_row[tt] != nullptr && chunk < chunks
+                             ? __ldg(reinterpret_cast<const uint4*>(a_row[tt] + chunk * kChunkVals) + v)
+                             : make_uint4(0, 0, 0, 0);
+          wait_copies<kStages - 2>();  // step i has landed
+          const RowChunk lo = rows[0].read(ring, i % kStages, 0, chunk, group_size);
+          const RowChunk hi = rows[1].read(ring, i % kStages, 1, chunk, group_size);
+          issue_step(i + kStages - 1);  // into the slot read one step ago
 #pragma unroll
-                for (int v = 0; v < kVecs; ++v)
-                  x[tt][v] = a_row[tt] != nullptr && chunk < chunks
-                                 ? __ldg(reinterpret_cast<const uint4*>(a_row[tt] + chunk * kChunkVals) + v)
-                                 : make_uint4(0, 0, 0, 0);
+          for (int j = 0; j < 4; ++j) {
+            if constexpr (BITS == 4) {
+              uint32_t frag[2][4];
+              dequant_int4<T>(lo, hi, j, frag);
 #pragma unroll
-              for (int j = 0; j < 4; ++j) {
-                if constexpr (BITS == 4) {
-                  uint32_t frag[2][4];
-                  dequant_int4<T>(stage[d][0], stage[d][1], j, frag);
+              for (int tt = 0; tt < TT; ++tt) {
+                const uint4& xv = x[tt][j];  // k 8j .. 8j+7 of the chunk
+                mma_16816<T>(acc[tt], frag[0][0], frag[0][1], frag[0][2], frag[0][3],
+                             __byte_perm(xv.x, xv.z, 0x5410), __byte_perm(xv.x, xv.z, 0x7632));
+                mma_16816<T>(acc[tt], frag[1][0], frag[1][1], frag[1][2], frag[1][3],
+                             __byte_perm(xv.y, xv.w, 0x5410), __byte_perm(xv.y, xv.w, 0x7632));
+              }
+            } else {
+              uint32_t frag[4];
+              dequant_int8<T>(lo, hi, j, frag);
 #pragma unroll
-                  for (int tt = 0; tt < TT; ++tt) {
-                    const uint4& xv = x[tt][j];  // k 8j .. 8j+7 of the chunk
-                    mma_16816<T>(acc[tt], frag[0][0], frag[0][1], frag[0][2], frag[0][3],
-                                 __byte_perm(xv.x, xv.z, 0x5410), __byte_perm(xv.x, xv.z, 0x7632));
-                    mma_16816<T>(acc[tt], frag[1][0], frag[1][1], frag[1][2], frag[1][3],
-                                 __byte_perm(xv.y, xv.w, 0x5410), __byte_perm(xv.y, xv.w, 0x7632));
-                  }
-                } else {
-                  uint32_t frag[4];
-                  dequant_int8<T>(stage[d][0], stage[d][1], j, frag);
-#pragma unroll
-                  for (int tt = 0; tt < TT; ++tt) {
-                    const uint4& xv = x[tt][j / 2];  // k 4j .. 4j+3 of the chunk
-                    const uint32_t lo = j % 2 ? xv.z : xv.x, hi = j % 2 ? xv.w : xv.y;
-                    mma_16816<T>(acc[tt], frag[0], frag[1], frag[2], frag[3], __byte_perm(lo, hi, 0x5410),
-                                 __byte_perm(lo, hi, 0x7632));
-                  }
-                }
+              for (int tt = 0; tt < TT; ++tt) {
+                const uint4& xv = x[tt][j / 2];  // k 4j .. 4j+3 of the chunk
+                const uint32_t x_lo = j % 2 ? xv.z : xv.x, x_hi = j % 2 ? xv.w : xv.y;
+                mma_16816<T>(acc[tt], frag[0], frag[1], frag[2], frag[3], __byte_perm(x_lo, x_hi, 0x5410),
+                             __byte_perm(x_lo, x_hi, 0x7632));
               }
             }
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-              stage[d][r] = rows[r].template load<T>((step + kDepth * ksplit) * 4 + q, chunks, group_size);
           }
         }
+        wait_copies<0>();  // nothing of this tile may land in the next tile's ring
       }
 
       if (ksplit > 1) {  // add the K slices' partial sums (uniform branch: every warp syncs)
@@ -322,23 +365,33 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
   }
 }
 
-template <typename T, int BITS>
-void launch_typed(const GemmParams& p, dim3 grid, cudaStream_t stream) {
-  if (p.block_m <= 8) {
-    moe_wna16_mma_kernel<T, BITS, 1><<<grid, kThreads, 0, stream>>>(p);
-  } else {
-    moe_wna16_mma_kernel<T, BITS, 2><<<grid, kThreads, 0, stream>>>(p);
+template <typename T, int BITS, int TT>
+cudaError_t launch_tiles(const GemmParams& p, dim3 grid, cudaStream_t stream) {
+  auto* kernel = moe_wna16_mma_kernel<T, BITS, TT>;
+  // the ring is above the 48 KB a launch gets without asking: opt in once per device
+  constexpr int kMaxDevices = 64;
+  static bool opted_in[kMaxDevices] = {};
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  if (device >= kMaxDevices || !opted_in[device]) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes);
+    if (err != cudaSuccess) return err;
+    if (device < kMaxDevices) opted_in[device] = true;
   }
+  kernel<<<grid, kThreads, kRingBytes, stream>>>(p);
+  return cudaSuccess;
+}
+
+template <typename T, int BITS>
+cudaError_t launch_typed(const GemmParams& p, dim3 grid, cudaStream_t stream) {
+  return p.block_m <= 8 ? launch_tiles<T, BITS, 1>(p, grid, stream) : launch_tiles<T, BITS, 2>(p, grid, stream);
 }
 
 }  // namespace
 
-void launch_moe_wna16_mma(const GemmParams& p, bool fp16, int bits, dim3 grid, cudaStream_t stream) {
-  if (fp16) {
-    bits == 4 ? launch_typed<__half, 4>(p, grid, stream) : launch_typed<__half, 8>(p, grid, stream);
-  } else {
-    bits == 4 ? launch_typed<__nv_bfloat16, 4>(p, grid, stream) : launch_typed<__nv_bfloat16, 8>(p, grid, stream);
-  }
+cudaError_t launch_moe_wna16_mma(const GemmParams& p, bool fp16, int bits, dim3 grid, cudaStream_t stream) {
+  if (fp16) return bits == 4 ? launch_typed<__half, 4>(p, grid, stream) : launch_typed<__half, 8>(p, grid, stream);
+  return bits == 4 ? launch_typed<__nv_bfloat16, 4>(p, grid, stream) : launch_typed<__nv_bfloat16, 8>(p, grid, stream);
 }
 
 }  // namespace wna16_plus

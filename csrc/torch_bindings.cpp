@@ -9,7 +9,7 @@
 #include "launch_rules.h"
 
 namespace wna16_plus {
-void moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const at::Tensor& scales,
+std::string moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const at::Tensor& scales,
                     const std::optional<at::Tensor>& qzeros, const std::optional<at::Tensor>& topk_weights,
                     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                     const at::Tensor& num_tokens_post_padded, at::Tensor& c, int64_t bits, int64_t top_k,
@@ -30,7 +30,7 @@ TORCH_LIBRARY(wna16_plus, m) {
   m.def(
       "moe_wna16_gemm(Tensor a, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? topk_weights, "
       "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor(c!) c, int bits, "
-      "int top_k, int block_size_m, int block_size_n, int block_size_k, str kernel=\"auto\", str activation=\"none\") -> ()");
+      "int top_k, int block_size_m, int block_size_n, int block_size_k, str kernel=\"auto\", str activation=\"none\") -> str");
   // no tensors: a catch-all kernel, callable on any machine (the CPU test enumerates configs with it)
   m.def("check_launch_config(int size_k, int num_groups, int block_size_m, int block_size_n, int block_size_k, "
         "int bits) -> str",

@@ -52,7 +52,8 @@ class Run:
     def require_ok(self, what: str) -> Run:
         if not self.ok:
             raise AssertionError(f"{what}: LLM run failed: {self.result.get('error_type')}: "
-                                 f"{self.result.get('error')}\n{first_errors(self.log)}")  # fmt: skip
+                                 f"{self.result.get('error')}\n{first_errors(self.log)}\n--- error tail ---\n"
+                                 f"{self.result.get('detail', '')[-2500:]}")  # fmt: skip
         return self
 
 

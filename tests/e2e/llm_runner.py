@@ -60,7 +60,12 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - a crash is a result (vLLM's in-tree gs32 path)
         traceback.print_exc()
         msg = str(exc).strip().splitlines()
-        result = {"ok": False, "error_type": type(exc).__name__, "error": msg[0][:500] if msg else ""}
+        result = {
+            "ok": False,
+            "error_type": type(exc).__name__,
+            "error": msg[0][:500] if msg else "",
+            "detail": str(exc)[-4000:],
+        }  # fmt: skip - e.g. the stderr of vLLM's model-inspection subprocess
     result["seconds"] = time.time() - t0
     with open(out_path, "w") as f:
         json.dump(result, f)

@@ -87,10 +87,13 @@ def invoke_moe_wna16_gemm(
     one scale group, else the CUDA-core one), or "mma" / "gemv" to force one (tests, benchmarks).
     activation: "silu" / "gelu" fuses the gated activation (mma kernel only): rows n and N/2 + n of
     qweight are gate and up of output column n, and c is (num_pairs, N/2)."""
-    torch.ops.wna16_plus.moe_wna16_gemm(
+    # the op returns its refusal instead of throwing (no C++ exception leaves the library; csrc/moe_wna16_gemm.cu)
+    refusal = torch.ops.wna16_plus.moe_wna16_gemm(
         a, qweight, scales, qzeros, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, c,
         bits, top_k, config.block_size_m, config.block_size_n, config.block_size_k, kernel, activation,
     )  # fmt: skip
+    if refusal:
+        raise RuntimeError(f"wna16_plus::moe_wna16_gemm: {refusal}")
     return c
 
 

@@ -51,6 +51,9 @@ def cuda_extension():
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0;10.0")
     _note(f"building the CUDA ops for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']} "
           f"(torch {torch.__version__}, CUDA_HOME={CUDA_HOME})")  # fmt: skip
+    # torch 2.11's cpp_extension no longer passes the C++ ABI: without it, a compiler whose default is
+    # the old ABI builds std::string unlike libtorch, and a refusal message crossing into torch crashed
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     ext = CUDAExtension(
         name="vllm_wna16_plugin._C",
         sources=[
@@ -60,7 +63,7 @@ def cuda_extension():
             "csrc/moe_wna16_mma.cu",
         ],
         include_dirs=[str(ROOT / "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
+        extra_compile_args={"cxx": ["-O3", "-std=c++17", abi], "nvcc": ["-O3", "-std=c++17", "-lineinfo", abi]},
         py_limited_api=False,
     )
     return [ext], {"build_ext": BuildExtension}

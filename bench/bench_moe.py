@@ -187,10 +187,13 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
 
 
 def git_commit() -> str:
+    """BENCH_COMMIT when set (the GPU machine's copy may carry a stale .git), else git's HEAD."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
     except Exception:  # noqa: BLE001
-        return os.environ.get("BENCH_COMMIT", "unknown")
+        return "unknown"
 
 
 def main() -> int:

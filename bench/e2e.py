@@ -32,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_moe import git_commit  # noqa: E402 - bench/ is the script's directory
+
 PROVIDERS = {
     "plugin-auto": dict(quantization="moe_wna16_plus", moe_backend="auto"),
     "plugin-triton": dict(quantization="moe_wna16_plus", moe_backend="triton"),
@@ -82,13 +84,6 @@ def worker(spec_path: str, out_path: str) -> int:
         result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc) else ''}"
     Path(out_path).write_text(json.dumps(result))
     return 0
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-    except Exception:  # noqa: BLE001 - the lent GPU machine's copy has no .git
-        return os.environ.get("BENCH_COMMIT", "unknown")
 
 
 def render(results: list[dict], header: str) -> str:

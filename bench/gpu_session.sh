@@ -10,7 +10,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export BENCH_COMMIT=${BENCH_COMMIT:-unknown}
+export BENCH_COMMIT=${BENCH_COMMIT:-}  # names the commit in result files (else git HEAD)
 source .vb/install.sh >/dev/null 2>/tmp/install.log || { cat /tmp/install.log; exit 1; }
 # builds csrc/ for sm90 on the machine's 16 cores (the `cuda` backend); the log says if it could not
 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=16 python3 -m pip install -q --no-deps --no-build-isolation \

@@ -61,7 +61,9 @@ def first_errors(log: str, context: int = 12) -> str:
     """The lines around the first errors of a log: they tell more than a traceback's tail."""
     lines = log.splitlines()
     hits = [i for i, ln in enumerate(lines) if "Error" in ln or "error:" in ln][:3]
-    return "\n...\n".join("\n".join(lines[max(0, i - context) : i + 4]) for i in hits) or log[-3000:]
+    out = "\n...\n".join("\n".join(lines[max(0, i - context) : i + 4]) for i in hits) or log[-3000:]
+    sub = [i for i, ln in enumerate(lines) if "Error raised in subprocess" in ln][:1]  # vLLM's inspection
+    return out + "".join("\n--- subprocess stderr ---\n" + "\n".join(lines[i : i + 60]) for i in sub)
 
 
 def run_llm(model: Path, tmp_path: Path, *, backend: str | None = None, quantization: str | None = "moe_wna16_plus",

@@ -12,10 +12,54 @@ is a recorded result, not a failed run.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
 import traceback
+from pathlib import Path
+
+
+def register_architectures_in_process(model: str) -> list[str]:
+    """Import the checkpoint's architectures here, so vLLM inspects them in this process.
+
+    vLLM inspects a lazily registered architecture in a subprocess (`python -m
+    vllm.model_executor.models.registry`). On the offline GPU machine that subprocess exited with
+    status 1 (2026-12-03, cause not yet seen: its stderr is printed by the retry's log). Registering
+    the class itself skips the subprocess; the run records that it did (inspection_fallback)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    archs = json.loads((Path(model) / "config.json").read_text()).get("architectures", [])
+    for arch in archs:
+        module, cls = _VLLM_MODELS[arch]
+        ModelRegistry.register_model(
+            arch, getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), cls)
+        )
+    return archs
+
+
+def make_llm(spec: dict):
+    from vllm import LLM
+
+    return LLM(
+        model=spec["model"],
+        tokenizer=spec["model"],
+        quantization=spec.get("quantization"),
+        moe_backend=spec.get("moe_backend", "auto"),
+        tensor_parallel_size=spec.get("tp", 1),
+        max_model_len=256,
+        max_num_seqs=8,
+        gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.25),
+        attention_backend="TRITON_ATTN",  # the offline bundle has no flash-attn kernels
+        enforce_eager=spec.get("eager", False),
+        # no torch.compile (start-up time); decode steps replay full CUDA graphs unless eager
+        compilation_config={
+            "mode": 0,
+            "cudagraph_mode": "FULL_DECODE_ONLY",
+            "cudagraph_capture_sizes": [1, 2, 4, 8],
+        },
+    )
 
 
 def main() -> int:
@@ -23,26 +67,19 @@ def main() -> int:
     out_path = sys.argv[2]
     t0 = time.time()
     try:
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
 
-        llm = LLM(
-            model=spec["model"],
-            tokenizer=spec["model"],
-            quantization=spec.get("quantization"),
-            moe_backend=spec.get("moe_backend", "auto"),
-            tensor_parallel_size=spec.get("tp", 1),
-            max_model_len=256,
-            max_num_seqs=8,
-            gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.25),
-            attention_backend="TRITON_ATTN",  # the offline bundle has no flash-attn kernels
-            enforce_eager=spec.get("eager", False),
-            # no torch.compile (start-up time); decode steps replay full CUDA graphs unless eager
-            compilation_config={
-                "mode": 0,
-                "cudagraph_mode": "FULL_DECODE_ONLY",
-                "cudagraph_capture_sizes": [1, 2, 4, 8],
-            },
-        )
+        fallback = False
+        try:
+            llm = make_llm(spec)
+        except Exception as exc:  # noqa: BLE001
+            if "failed to be inspected" not in str(exc):
+                raise
+            traceback.print_exc()
+            print("llm_runner: model inspection failed in vLLM's subprocess; retrying in process", flush=True)
+            register_architectures_in_process(spec["model"])
+            fallback = True
+            llm = make_llm(spec)
         params = SamplingParams(
             max_tokens=spec.get("max_tokens", 16), temperature=0.0, logprobs=spec.get("logprobs", 5)
         )
@@ -56,6 +93,7 @@ def main() -> int:
             "tokens": [list(r.outputs[0].token_ids) for r in results],
             "text": [r.outputs[0].text for r in results],
             "first_logprobs": first,
+            "inspection_fallback": fallback,
         }
     except Exception as exc:  # noqa: BLE001 - a crash is a result (vLLM's in-tree gs32 path)
         traceback.print_exc()

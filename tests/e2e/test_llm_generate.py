@@ -111,7 +111,7 @@ def test_backend_generates_like_the_reference(checkpoints, baseline, tmp_path, n
     assert "moe_wna16_plus: using backend" in run.log, "the oracle did not explain its choice"
     assert_generates_like(run, baseline(name), f"{name} {backend}")
     record(tmp_path, checkpoint=name, backend=backend, result="agrees", seconds=round(run.result["seconds"], 1),
-           text=run.result["text"])  # fmt: skip
+           text=run.result["text"], inspection_fallback=run.result.get("inspection_fallback"))  # fmt: skip
 
 
 @pytest.mark.parametrize("quantization", ["moe_wna16", None], ids=["in-tree-moe_wna16", "in-tree-default"])

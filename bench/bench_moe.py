@@ -336,7 +336,7 @@ def main() -> int:
 
 
 def record_crossovers(rows, shapes: list[Shape], device_name: str, crossover_dir: Path, source: Path) -> str:
-    """Write each shape's measured cuda-over-triton crossover (crossover.measured_crossover) for this device."""
+    """Write each shape's measured cuda-over-triton ranges (crossover.measured_ranges) for this device."""
     from vllm_wna16_plugin import crossover
 
     entries, lines = {}, []
@@ -349,13 +349,14 @@ def record_crossovers(rows, shapes: list[Shape], device_name: str, crossover_dir
         if not pairs:
             lines.append(f"{s.name}: plugin-cuda and plugin-triton were not both timed; no crossover")
             continue
-        max_m = crossover.measured_crossover(pairs)
+        ranges = crossover.measured_ranges(pairs)
         key = crossover.layer_key(s.E, s.H, s.I, s.gs, 4)
         entries[key] = {
-            "cuda_max_m": max_m,
+            "cuda_m_ranges": ranges,
             "source": str(source.relative_to(ROOT) if source.is_relative_to(ROOT) else source),
         }
-        lines.append(f"{s.name}: cuda beats triton up to M={max_m} ({key})")
+        won = ", ".join(f"M={lo}..{hi}" for lo, hi in ranges) or "nowhere"
+        lines.append(f"{s.name}: cuda beats triton at {won} of M={sorted(pairs)} ({key})")
     path = crossover.write_crossovers(entries, device_name, crossover_dir)
     return "\n".join(lines + [f"crossovers written to {path}"])
 

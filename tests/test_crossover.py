@@ -32,7 +32,7 @@ def test_table_round_trip_and_bad_entries(tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "X.json").write_text(json.dumps({key: {"cuda_max_m": "many"}}))
-    with pytest.raises(ValueError, match="non-negative integer cuda_max_m"):
+    with pytest.raises(ValueError, match="needs cuda_m_ranges or a non-negative integer cuda_max_m"):
         crossover.cuda_max_m(key, "X", bad)
 
 
@@ -58,7 +58,7 @@ def test_auto_takes_cuda_only_where_a_crossover_is_measured(tmp_path, monkeypatc
     selection = select_backend(problem)
     assert selection.backend.name == "cuda" and problem.extra["explicit"] is False
     # auto's cuda keeps the crossover (larger batches go to triton); an explicit cuda runs every batch
-    assert registry()["cuda"].prepare(problem, "tensors") == CudaState("tensors", 4)
+    assert registry()["cuda"].prepare(problem, "tensors") == CudaState("tensors", ((1, 4),))
     explicit = _sm90_problem()
     select_backend(explicit, "cuda", "test")
     assert registry()["cuda"].prepare(explicit, "tensors") == CudaState("tensors", None)
@@ -80,6 +80,55 @@ def test_bench_writes_the_crossover_it_measured(tmp_path, monkeypatch):
             for prov, us in zip(("plugin-cuda", "plugin-triton"), pair, strict=True)]  # fmt: skip
     rows.append((shape.name, 64, "plugin-cuda", ("crash", "boom")))  # an untimed point is ignored
     report = bench.record_crossovers(rows, [shape], "GPU Y", tmp_path, tmp_path / "run.md")
-    assert "cuda beats triton up to M=4" in report
+    assert "cuda beats triton at M=1..4 of M=[1, 4, 16]" in report
     key = crossover.layer_key(128, 2048, 768, 128, 4)
     assert crossover.cuda_max_m(key, "GPU Y", tmp_path) == 4
+    assert crossover.cuda_m_ranges(key, "GPU Y", tmp_path) == ((1, 4),)
+
+
+def test_measured_ranges_are_the_runs_of_wins():
+    times = {1: (25.0, 20.0), 2: (5.0, 9.0), 4: (8.0, 9.0), 8: (9.0, 9.0), 16: (1.0, 2.0), 32: (99.0, 100.0)}
+    assert crossover.measured_ranges(times) == [[2, 4], [16, 16]]  # 1% at M=32 is not a win
+    assert crossover.measured_ranges({1: (2.0, 1.0)}) == []
+
+
+def test_the_shipped_h200_table_is_what_its_run_measured():
+    import csv
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    table = json.loads((root / "vllm_wna16_plugin" / "crossover" / "NVIDIA_H200.json").read_text())
+    assert table, "no H200 crossover shipped"
+    for key, entry in table.items():
+        rows = list(csv.DictReader(open(root / entry["source"].replace(".md", ".csv"))))
+        fields = dict(kv.split("=") for kv in key.split(","))
+        by_shape: dict[str, dict[int, dict[str, float]]] = {}
+        for r in rows:
+            if r["provider"] in ("plugin-cuda", "plugin-triton") and r["median_us"]:
+                by_shape.setdefault(r["shape"], {}).setdefault(int(r["M"]), {})[r["provider"]] = float(r["median_us"])
+        shape = SHAPE_OF_KEY[(int(fields["E"]), int(fields["H"]), int(fields["I"]), int(fields["group_size"]))]
+        pairs = {m: (t["plugin-cuda"], t["plugin-triton"]) for m, t in by_shape[shape].items() if len(t) == 2}
+        assert entry["cuda_m_ranges"] == crossover.measured_ranges(pairs), key
+
+
+SHAPE_OF_KEY = {  # bench/bench_moe.py's SHAPES: (E, H, I, group size) -> name
+    (128, 2048, 768, 128): "qwen3-30b-a3b",
+    (256, 2048, 512, 32): "qwen3.5-35b-a3b",
+    (8, 4096, 14336, 128): "mixtral-8x7b",
+    (64, 2048, 1408, 128): "deepseek-v2-lite",
+    (128, 2816, 704, -1): "ct-channelwise",
+    (8, 1344, 1024, 32): "k1344-gs32",
+}
+
+
+def test_a_range_that_starts_above_one_routes_only_its_batches(tmp_path):
+    key = crossover.layer_key(128, 2816, 704, -1, 4)
+    crossover.write_crossovers({key: {"cuda_m_ranges": [[4, 32]], "source": "x.md"}}, "GPU Z", tmp_path)
+    ranges = crossover.cuda_m_ranges(key, "GPU Z", tmp_path)
+    assert ranges == ((4, 32),) and crossover.cuda_max_m(key, "GPU Z", tmp_path) == 0
+    assert [m for m in (1, 2, 3, 4, 17, 32, 33, 64) if crossover.in_ranges(m, ranges)] == [4, 17, 32]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "Z.json").write_text(json.dumps({key: {"cuda_m_ranges": [[8, 4]]}}))
+    with pytest.raises(ValueError, match=r"cuda_m_ranges as \[\[lo, hi\], ...\]"):
+        crossover.cuda_m_ranges(key, "Z", bad)

@@ -1,15 +1,18 @@
 """Where the plugin's CUDA kernel beats its Triton kernel: measured crossovers, per layer shape and device.
 
-`auto` takes the `cuda` backend for a layer only when this table has an entry for the layer's
-shape on this device. The `cuda` backend then runs batches of up to `cuda_max_m` tokens and hands
-larger ones to `triton`. Entries are measured, never guessed. `bench/bench_moe.py
---write-crossover` writes them from a run that timed plugin-cuda and plugin-triton side by side.
-The entry is the largest M up to which cuda was faster at every measured M, starting from M=1. The
-file is crossover/<device>.json; device spaces become underscores, e.g. NVIDIA_H200.json:
+`auto` takes the `cuda` backend for a layer only when this table has a winning range for the
+layer's shape on this device. The `cuda` backend then runs the batches whose token count lies in
+one of its ranges and hands the others to `triton`. Entries are measured, never guessed:
+`bench/bench_moe.py --write-crossover` writes them from a run that timed plugin-cuda and
+plugin-triton side by side. A range [lo, hi] is a run of consecutive measured M (lo and hi
+measured) at each of which cuda was at least MIN_GAIN faster; between two measured M inside a range cuda is assumed
+to stay ahead, and nothing is assumed outside the measured M. The file is crossover/<device>.json;
+device spaces become underscores, e.g. NVIDIA_H200.json:
 
-    {"E=128,H=2048,I=768,group_size=128,bits=4": {"cuda_max_m": 4, "source": "bench/results/h200/x.md"}}
+    {"E=128,H=2816,I=704,group_size=-1,bits=4": {"cuda_m_ranges": [[4, 32]], "source": "bench/results/h200/x.md"}}
 
-group_size is -1 for channel-wise. No vLLM import here.
+An older entry {"cuda_max_m": m} means the range [1, m] (none when m is 0). group_size is -1 for
+channel-wise. No vLLM import here.
 """
 
 from __future__ import annotations
@@ -36,17 +39,62 @@ def _load(path: Path) -> dict[str, dict]:
         return {}
     table = json.loads(path.read_text())
     for key, entry in table.items():
-        m = entry.get("cuda_max_m") if isinstance(entry, dict) else None
-        if not isinstance(m, int) or m < 0:
-            raise ValueError(f"{path.name}: entry {key!r} needs a non-negative integer cuda_max_m, got {entry!r}")
+        table[key] = {**entry, "cuda_m_ranges": _entry_ranges(path.name, key, entry)}
     return table
 
 
-def cuda_max_m(key: str, device_name: str | None, crossover_dir: Path | None = None) -> int:
-    """The largest batch (tokens) for which `cuda` measured faster than `triton`; 0 = no entry."""
+def _entry_ranges(file: str, key: str, entry) -> list[tuple[int, int]]:
+    if isinstance(entry, dict) and "cuda_m_ranges" in entry:
+        ranges = entry["cuda_m_ranges"]
+        ok = isinstance(ranges, list) and all(
+            isinstance(r, list | tuple) and len(r) == 2 and all(isinstance(v, int) for v in r) and 1 <= r[0] <= r[1]
+            for r in ranges
+        )
+        if not ok:
+            raise ValueError(f"{file}: entry {key!r} needs cuda_m_ranges as [[lo, hi], ...] with 1 <= lo <= hi")
+        return [(int(lo), int(hi)) for lo, hi in ranges]
+    m = entry.get("cuda_max_m") if isinstance(entry, dict) else None
+    if not isinstance(m, int) or m < 0:
+        raise ValueError(
+            f"{file}: entry {key!r} needs cuda_m_ranges or a non-negative integer cuda_max_m, got {entry!r}"
+        )
+    return [(1, m)] if m else []
+
+
+def cuda_m_ranges(key: str, device_name: str | None, crossover_dir: Path | None = None) -> tuple[tuple[int, int], ...]:
+    """The token-count ranges [lo, hi] in which `cuda` measured faster than `triton`; () = no entry."""
     if not device_name:
-        return 0
-    return int(_load(crossover_file(device_name, crossover_dir)).get(key, {}).get("cuda_max_m", 0))
+        return ()
+    return tuple(_load(crossover_file(device_name, crossover_dir)).get(key, {}).get("cuda_m_ranges", ()))
+
+
+def cuda_max_m(key: str, device_name: str | None, crossover_dir: Path | None = None) -> int:
+    """The largest batch up to which `cuda` measured faster from M=1 on; 0 = it does not win at M=1."""
+    ranges = cuda_m_ranges(key, device_name, crossover_dir)
+    return next((hi for lo, hi in ranges if lo == 1), 0)
+
+
+def in_ranges(m: int, ranges) -> bool:
+    return any(lo <= m <= hi for lo, hi in ranges)
+
+
+MIN_GAIN = 0.03  # a win is cuda at least 3% faster: below that, medians of two kernels are noise
+
+
+def measured_ranges(times: dict[int, tuple[float, float]], min_gain: float = MIN_GAIN) -> list[list[int]]:
+    """{M: (cuda µs, triton µs)} -> the runs [lo, hi] of consecutive measured M where cuda won
+    (took less than (1 - min_gain) of triton's time)."""
+    ranges: list[list[int]] = []
+    won_last = False
+    for m in sorted(times):
+        cuda_us, triton_us = times[m]
+        won = cuda_us < (1.0 - min_gain) * triton_us
+        if won and won_last:
+            ranges[-1][1] = m
+        elif won:
+            ranges.append([m, m])
+        won_last = won
+    return ranges
 
 
 def measured_crossover(times: dict[int, tuple[float, float]]) -> int:
@@ -62,7 +110,7 @@ def measured_crossover(times: dict[int, tuple[float, float]]) -> int:
 
 
 def write_crossovers(entries: dict[str, dict], device_name: str, crossover_dir: Path | None = None) -> Path:
-    """Merge {key: {"cuda_max_m": m, "source": ...}} into the device's file; returns its path."""
+    """Merge {key: {"cuda_m_ranges": [[lo, hi], ...], "source": ...}} into the device's file; returns its path."""
     path = crossover_file(device_name, crossover_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     table = json.loads(path.read_text()) if path.is_file() else {}
@@ -72,4 +120,13 @@ def write_crossovers(entries: dict[str, dict], device_name: str, crossover_dir: 
     return path
 
 
-__all__ = ["CROSSOVER_DIR", "cuda_max_m", "layer_key", "measured_crossover", "write_crossovers"]
+__all__ = [
+    "CROSSOVER_DIR",
+    "cuda_m_ranges",
+    "cuda_max_m",
+    "in_ranges",
+    "layer_key",
+    "measured_crossover",
+    "measured_ranges",
+    "write_crossovers",
+]

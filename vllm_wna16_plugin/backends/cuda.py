@@ -2,10 +2,10 @@
 
 Its rules: an NVIDIA GPU, the extension built (setup.py), int4 or int8, group sizes the launch-config
 module takes (32/64/128) or channel-wise, K % 8 == 0, no act order, silu/gelu,
-and bf16 only from sm80. `auto` takes it only for a layer shape that crossover.py's table lists for
-this device. It then runs batches of up to the measured `cuda_max_m` tokens and hands larger ones
-to the triton backend. The table is empty until bench_moe.py --write-crossover fills it on a GPU,
-so today `auto` never picks `cuda`. An explicit choice (VLLM_WNA16_PLUS_BACKEND=cuda, or
+and bf16 only from sm80. `auto` takes it only for a layer shape for which crossover.py's table has
+a winning range of batch sizes on this device. It then runs the batches inside those measured
+ranges and hands the others to the triton backend. The table comes from bench_moe.py
+--write-crossover on a GPU (the H200's is shipped). An explicit choice (VLLM_WNA16_PLUS_BACKEND=cuda, or
 backend="cuda") always runs the CUDA kernel.
 """
 
@@ -25,7 +25,7 @@ CUDA_ACTIVATIONS = ("silu", "gelu")
 @dataclass
 class CudaState:
     tensors: KernelTensors
-    cuda_max_m: int | None  # None: an explicit choice, every batch on the CUDA kernel
+    cuda_m_ranges: tuple[tuple[int, int], ...] | None  # None: an explicit choice, every batch on the CUDA kernel
 
 
 def layer_key(problem: MoEProblem) -> str:
@@ -66,7 +66,7 @@ class CudaBackend(Backend):
                 return f"{name} K={k} is not a multiple of 8"
             if gs != k and (reason := cuda_group_reason(name, gs, k)):  # channel-wise: any K % 8 == 0
                 return reason
-        if not problem.extra.get("explicit") and crossover.cuda_max_m(layer_key(problem), device_name(problem)) == 0:
+        if not problem.extra.get("explicit") and not crossover.cuda_m_ranges(layer_key(problem), device_name(problem)):
             return (
                 "no measured crossover over triton for this shape on this device "
                 "(auto takes cuda only where bench_moe.py --write-crossover measured it faster)"
@@ -80,14 +80,15 @@ class CudaBackend(Backend):
     def prepare(self, problem: MoEProblem, tensors: KernelTensors) -> CudaState:
         if problem.extra.get("explicit"):
             return CudaState(tensors, None)
-        return CudaState(tensors, crossover.cuda_max_m(layer_key(problem), device_name(problem)))
+        return CudaState(tensors, crossover.cuda_m_ranges(layer_key(problem), device_name(problem)))
 
     def run(self, problem: MoEProblem, state: CudaState, x, topk_weights, topk_ids, *, expert_map=None):
         from vllm_wna16_plugin import _vllm
         from vllm_wna16_plugin.backends.triton import TritonBackend
         from vllm_wna16_plugin.kernels.cuda_ops import fused_moe_wna16_cuda
 
-        if state.cuda_max_m is not None and x.shape[0] > state.cuda_max_m:  # past the measured crossover
+        if state.cuda_m_ranges is not None and not crossover.in_ranges(x.shape[0], state.cuda_m_ranges):
+            # outside the batch sizes where cuda measured faster
             return TritonBackend().run(problem, state.tensors, x, topk_weights, topk_ids, expert_map=expert_map)
         tensors = state.tensors
         return fused_moe_wna16_cuda(

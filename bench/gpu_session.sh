@@ -5,6 +5,8 @@
 #   BENCH_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh tests e2e   # run from here, in the command
 #   bash bench/gpu_session.sh tune bench                  # tune Triton configs, then the layer benchmark
 #   E2E_ARGS="-k 'gptq-gs32-k2048 or serve'" bash bench/gpu_session.sh e2e
+#   E2E_JOBS=8 bash bench/gpu_session.sh e2e               # 8 LLM(...) runs share the GPU at a time
+#   bash bench/gpu_session.sh probe inspect               # CUDA op refusals; vLLM's inspection subprocess
 #   bash bench/gpu_session.sh e2e-bench                   # bench/e2e.py (offline throughput)
 # The lent machine's copy of the tree has no .git: BENCH_COMMIT names the commit in result files.
 set -uo pipefail
@@ -22,6 +24,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 rc=0
 for step in "$@"; do
   case "$step" in
+    probe) timeout 120 python3 bench/probe_refusals.py 2>&1 | tee "$OUT/probe.log" | tail -12 ;;
+    # vLLM inspects lazily registered models in `python -m vllm.model_executor.models.registry`: its stderr
+    inspect) timeout 120 python3 -c "import vllm.model_executor.models.registry as r; print('inspection subprocess:', r._run_in_subprocess(lambda: 'ok'))" 2>&1 | grep -v "^INFO\|^WARNING" | tail -30 ;;
     tests) eval "timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rs ${TESTS_ARGS:-}" 2>&1 | grep -v "^INFO\|^WARNING" | tee "$OUT/gpu_tests.log" | tail -25 || rc=1 ;;
     e2e) export E2E_RECORD="$OUT/e2e-record.jsonl"
          eval "timeout ${E2E_TIMEOUT:-540} python3 -m pytest -q -m gpu tests/e2e -p no:cacheprovider -rsx ${E2E_ARGS:-}" 2>&1 | grep -v "^WARNING" | tee "$OUT/e2e.log" | tail -40 || rc=1 ;;

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,14 +67,23 @@ def first_errors(log: str, context: int = 12) -> str:
     return out + "".join("\n--- subprocess stderr ---\n" + "\n".join(lines[i : i + 60]) for i in sub)
 
 
-def run_llm(model: Path, tmp_path: Path, *, backend: str | None = None, quantization: str | None = "moe_wna16_plus",
-            eager: bool = False, tp: int = 1, moe_backend: str = "auto", prompts=None, max_tokens: int = 16,
-            timeout: int = 900) -> Run:  # fmt: skip
-    """LLM(model, quantization=...) greedy on `prompts` in a fresh process; backend sets VLLM_WNA16_PLUS_BACKEND."""
+def e2e_jobs() -> int:
+    """How many LLM(...) runs may share the GPU at once (E2E_JOBS, default 1: one at a time)."""
+    return max(1, int(os.environ.get("E2E_JOBS", "1")))
+
+
+def _llm_spec(model: Path, *, backend: str | None = None, quantization: str | None = "moe_wna16_plus",
+              eager: bool = False, tp: int = 1, moe_backend: str = "auto", prompts=None,
+              max_tokens: int = 16) -> tuple[str, dict, str | None]:  # fmt: skip
     tag = f"{backend or moe_backend}-{quantization}-tp{tp}-{'eager' if eager else 'graphs'}"
-    spec_path, out_path = tmp_path / f"{tag}.spec.json", tmp_path / f"{tag}.out.json"
     spec = dict(model=str(model), quantization=quantization, prompts=prompts or PROMPTS, eager=eager, tp=tp,
                 moe_backend=moe_backend, max_tokens=max_tokens)  # fmt: skip
+    return tag, spec, backend
+
+
+def _run_llm_now(model: Path, tmp_path: Path, timeout: int = 900, **kwargs) -> Run:
+    tag, spec, backend = _llm_spec(model, **kwargs)
+    spec_path, out_path = tmp_path / f"{tag}.spec.json", tmp_path / f"{tag}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, TRITON_INTERPRET="0")
     env.pop("VLLM_WNA16_PLUS_BACKEND", None)
@@ -86,6 +96,39 @@ def run_llm(model: Path, tmp_path: Path, *, backend: str | None = None, quantiza
         raise AssertionError(f"{tag}: the runner died (rc {proc.returncode}) before writing a result\n"
                              f"{first_errors(log)}")  # fmt: skip
     return Run(json.loads(out_path.read_text()), log)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_STARTED: dict[str, Future] = {}
+
+
+def _key(model: Path, **kwargs) -> str:
+    kwargs.pop("timeout", None)
+    _, spec, backend = _llm_spec(model, **kwargs)
+    return json.dumps([spec, backend], sort_keys=True)
+
+
+def start_llm(model: Path, tmp_path: Path, **kwargs) -> None:
+    """Start this run in the background when E2E_JOBS > 1; run_llm with the same arguments waits for it.
+
+    Each run is its own process with a small, fixed KV cache (llm_runner), so E2E_JOBS of them fit
+    on one GPU; the tests stay one run each, only the waiting overlaps."""
+    global _POOL
+    if e2e_jobs() == 1:
+        return
+    key = _key(model, **kwargs)
+    if key not in _STARTED:
+        _POOL = _POOL or ThreadPoolExecutor(max_workers=e2e_jobs(), thread_name_prefix="llm-run")
+        _STARTED[key] = _POOL.submit(_run_llm_now, model, tmp_path, **kwargs)
+
+
+def run_llm(model: Path, tmp_path: Path, **kwargs) -> Run:
+    """LLM(model, quantization=...) greedy on `prompts` in a fresh process; backend sets VLLM_WNA16_PLUS_BACKEND.
+
+    Keywords: backend, quantization, eager, tp, moe_backend, prompts, max_tokens, timeout. A run
+    started earlier by start_llm with the same arguments is waited for instead of run again."""
+    started = _STARTED.get(_key(model, **kwargs))
+    return started.result() if started is not None else _run_llm_now(model, tmp_path, **kwargs)
 
 
 def agreed_prefix(a: list[int], b: list[int]) -> int:

@@ -17,7 +17,7 @@ import os
 
 import pytest
 
-from tests.e2e.conftest import assert_generates_like, requires_gpu, run_llm
+from tests.e2e.conftest import assert_generates_like, e2e_jobs, requires_gpu, run_llm, start_llm
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -72,6 +72,25 @@ def baseline(checkpoints, tmp_path_factory):
         return runs[name]
 
     return get
+
+
+@pytest.fixture(scope="module", autouse=True)
+def start_selected_runs(request, checkpoints, tmp_path_factory):
+    """With E2E_JOBS > 1, start the LLM runs of every selected test in this module up front,
+    references first; each test then waits for its own run and checks it as before."""
+    if e2e_jobs() == 1:
+        return
+    params = [item.callspec.params for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")]  # fmt: skip
+    for name in dict.fromkeys(p["name"] for p in params):
+        start_llm(checkpoints(name), tmp_path_factory.mktemp(f"ref-{name}"), backend="reference", eager=True)
+    for p in params:
+        tmp = tmp_path_factory.mktemp(f"run-{p['name']}")
+        if "backend" in p:
+            key = "moe_backend" if p["how"] == "moe_backend" else "backend"
+            start_llm(checkpoints(p["name"]), tmp, **{key: p["backend"]})
+        else:
+            start_llm(checkpoints(p["name"]), tmp, quantization=p["quantization"])
 
 
 def record(tmp_path, **fields) -> None:

@@ -33,13 +33,13 @@ for step in "$@"; do
     probe) timeout 120 python3 bench/probe_refusals.py 2>&1 | tee "$OUT/probe.log" | tail -12 ;;
     # vLLM inspects lazily registered models in `python -m vllm.model_executor.models.registry`: its stderr
     inspect) timeout 120 python3 -c "import vllm.model_executor.models.registry as r; print('inspection subprocess:', r._run_in_subprocess(lambda: 'ok'))" 2>&1 | grep -v "^INFO\|^WARNING" | tail -30 ;;
-    tests) eval "timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rs ${TESTS_ARGS:-}" 2>&1 | grep -v "^INFO\|^WARNING" | tee "$OUT/gpu_tests.log" | tail -25 || rc=1 ;;
+    tests) eval "timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rs ${TESTS_ARGS:-}" 2>&1 | grep --line-buffered -v "^INFO\|^WARNING" | tee "$OUT/gpu_tests.log" | tail -25 || rc=1 ;;
     e2e) export E2E_RECORD="$OUT/e2e-record.jsonl"
-         eval "timeout ${E2E_TIMEOUT:-540} python3 -m pytest -q -m gpu ${E2E_PATHS:-tests/e2e} -p no:cacheprovider -rsx ${E2E_ARGS:-}" 2>&1 | grep -v "^WARNING" | tee "$OUT/e2e.log" | tail -40 || rc=1 ;;
-    e2e-bench) timeout ${E2E_BENCH_TIMEOUT:-540} python3 bench/e2e.py --out "$OUT/res" ${E2E_BENCH_ARGS:-} 2>&1 | grep -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/e2e-bench.log" | tail -30 ;;
+         eval "timeout ${E2E_TIMEOUT:-540} python3 -m pytest -q -m gpu ${E2E_PATHS:-tests/e2e} -p no:cacheprovider -rsx ${E2E_ARGS:-}" 2>&1 | grep --line-buffered -v "^WARNING" | tee "$OUT/e2e.log" | tail -40 || rc=1 ;;
+    e2e-bench) timeout ${E2E_BENCH_TIMEOUT:-540} python3 bench/e2e.py --out "$OUT/res" ${E2E_BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/e2e-bench.log" | tail -30 ;;
     tune) timeout ${TUNE_TIMEOUT:-300} python3 bench/tune.py --out vllm_wna16_plugin/kernels/triton/configs ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -30
           tar czf "$OUT/configs.tgz" -C vllm_wna16_plugin/kernels/triton configs ;;
-    bench) timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" ${BENCH_ARGS:-} 2>&1 | grep -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/bench.log" | tail -70 ;;
+    bench) timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/bench.log" | tail -70 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done

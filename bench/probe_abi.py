@@ -5,6 +5,7 @@ Each case runs in its own process (a segfault ends only that case) and prints ho
   our-cpu-op     torch.ops.wna16_plus.check_launch_config with an illegal config (CPU op, a string)
   inline-str     a fresh load_inline op returning a long std::string (same compiler, torch's flags)
   inline-throw   a fresh load_inline op raising TORCH_CHECK
+The inline module installs a SIGSEGV handler that prints the native backtrace (execinfo).
 Then: the toolchain and ABI facts, and gdb's backtrace of the first crashing case if gdb is there.
 Run: python3 bench/probe_abi.py
 """
@@ -17,48 +18,64 @@ import subprocess
 import sys
 import textwrap
 
+INLINE_SRC = r"""
+#include <torch/extension.h>
+#include <execinfo.h>
+#include <signal.h>
+#include <unistd.h>
+static void on_segv(int) { void* f[48]; int n = backtrace(f, 48); backtrace_symbols_fd(f, n, 2); _exit(139); }
+void install() { signal(SIGSEGV, on_segv); }  // native frames of a crash, gdb or not
+std::string say(const at::Tensor& t, int64_t n) {
+  if (n == 0) return "";
+  if (n == 1) return "short";
+  if (n == 2) return std::string(100, 'x');
+  return c10::str("a message long enough for the heap, number ", n, " for sizes ", t.sizes());
+}
+std::string say_int(int64_t n) { return n == 0 ? std::string() : std::string(100, 'y'); }
+void boom(int64_t n) { TORCH_CHECK(n == 0, "boom ", n); }
+TORCH_LIBRARY(probe_abi, m) {
+  m.def("install() -> ()", &install);
+  m.def("say(Tensor t, int n) -> str", &say);
+  m.def("say_int(int n) -> str", &say_int);
+  m.def("boom(int n) -> ()", &boom);
+}
+"""
+INLINE = (
+    "import torch, torch.utils.cpp_extension as ext\n"
+    f"ext.load_inline('probe_abi', [{INLINE_SRC!r}], is_python_module=False, verbose=False)\n"
+    "torch.ops.probe_abi.install()\n"
+)
+OUR_CUDA_OP = """
+import vllm_wna16_plugin._C
+a = torch.zeros(2, 176, dtype=torch.bfloat16, device="cuda")
+qw = torch.zeros(4, 64, 88, dtype=torch.uint8, device="cuda")
+ids = torch.zeros(16, dtype=torch.int32, device="cuda")
+c = torch.empty(4, 64, dtype=torch.bfloat16, device="cuda")
+s = torch.ones(4, 64, 1, dtype=torch.float32, device="cuda")
+r = torch.ops.wna16_plus.moe_wna16_gemm(a, qw, s, None, None, ids, ids, ids, c, 4, 2, 1, 32, 176, "auto", "none")
+print(repr(r)[:120])
+"""
 CASES = {
-    "our-cuda-op": """
-        import torch, vllm_wna16_plugin._C
-        a = torch.zeros(2, 176, dtype=torch.bfloat16, device="cuda")
-        qw = torch.zeros(4, 64, 88, dtype=torch.uint8, device="cuda")
-        ids = torch.zeros(16, dtype=torch.int32, device="cuda")
-        c = torch.empty(4, 64, dtype=torch.bfloat16, device="cuda")
-        s = torch.ones(4, 64, 1, dtype=torch.float32, device="cuda")
-        print(repr(torch.ops.wna16_plus.moe_wna16_gemm(a, qw, s, None, None, ids, ids, ids, c, 4, 2, 1, 32, 176, "auto", "none"))[:120])
-    """,
-    "our-cpu-op": """
-        import torch, vllm_wna16_plugin._C
-        print(repr(torch.ops.wna16_plus.check_launch_config(2048, 64, 16, 32, 512, 4))[:120])
-    """,
-    "inline-str": """
-        import torch, torch.utils.cpp_extension as ext
-        src = '''
-        #include <torch/extension.h>
-        std::string say(const at::Tensor& t, int64_t n) {
-          if (n == 0) return "";
-          return c10::str("a message long enough for the heap, number ", n, " for sizes ", t.sizes());
-        }
-        void boom(int64_t n) { TORCH_CHECK(n == 0, "boom ", n); }
-        TORCH_LIBRARY(probe_abi, m) { m.def("say(Tensor t, int n) -> str", &say); m.def("boom(int n) -> ()", &boom); }
-        '''
-        ext.load_inline("probe_abi", [src], is_python_module=False, verbose=False)
-        print(repr(torch.ops.probe_abi.say(torch.zeros(3), 0)), repr(torch.ops.probe_abi.say(torch.zeros(3), 7)))
-        try:
-            torch.ops.probe_abi.boom(1)
-        except RuntimeError as exc:
-            print("inline-throw raised:", str(exc).splitlines()[0])
-    """,
+    "our-cpu-op (ints in, long str out)": "import torch, vllm_wna16_plugin._C\n"
+    "print(repr(torch.ops.wna16_plus.check_launch_config(2048, 64, 16, 32, 512, 4))[:100])",
+    "inline say_int (ints in, long str)": INLINE + "print(repr(torch.ops.probe_abi.say_int(1))[:40])",
+    "inline say('') (tensor in)": INLINE + "print(repr(torch.ops.probe_abi.say(torch.zeros(3), 0)))",
+    "inline say('short')": INLINE + "print(repr(torch.ops.probe_abi.say(torch.zeros(3), 1)))",
+    "inline say(100 x)": INLINE + "print(repr(torch.ops.probe_abi.say(torch.zeros(3), 2))[:40])",
+    "inline say(c10::str sizes)": INLINE + "print(repr(torch.ops.probe_abi.say(torch.zeros(3), 7)))",
+    "inline TORCH_CHECK throw": INLINE + "try:\n    torch.ops.probe_abi.boom(1)\nexcept RuntimeError as e:\n"
+    "    print('raised', str(e).splitlines()[0])",
+    "our-cuda-op refusal": INLINE + OUR_CUDA_OP,
 }
 
 
 def run(name: str, code: str, gdb: bool = False) -> int:
-    cmd = [sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)]
+    cmd = [sys.executable, "-c", textwrap.dedent(code)]
     if gdb:
         cmd = ["gdb", "-q", "-batch", "-ex", "run", "-ex", "bt 25", "--args", *cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "Extension modules" not in ln]
-    keep = lines if gdb else [ln for ln in lines if not ln.startswith('  File "/opt')][-8:]
+    keep = lines if gdb else [ln for ln in lines if not ln.startswith('  File "/opt')][-30:]
     print(f"== {name}{' (gdb)' if gdb else ''}: rc {proc.returncode}")
     print("\n".join(("   " + ln)[:240] for ln in (keep[-45:] if gdb else keep)))
     return proc.returncode
@@ -88,6 +105,7 @@ def facts() -> None:
 
 if __name__ == "__main__":
     facts()
+    run("inline build", INLINE)  # compiles once; the cases load it from torch's extension cache
     rcs = {name: run(name, code) for name, code in CASES.items()}
     crashed = [n for n, rc in rcs.items() if rc != 0]
     if crashed and shutil.which("gdb"):

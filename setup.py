@@ -51,19 +51,25 @@ def cuda_extension():
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0;10.0")
     _note(f"building the CUDA ops for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']} "
           f"(torch {torch.__version__}, CUDA_HOME={CUDA_HOME})")  # fmt: skip
-    # torch 2.11's cpp_extension no longer passes the C++ ABI: without it, a compiler whose default is
-    # the old ABI builds std::string unlike libtorch, and a refusal message crossing into torch crashed
+    # torch 2.11's cpp_extension no longer passes the C++ ABI; pass torch's, whatever the compiler's default
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    # Link the shared libstdc++ by name. On the GPU machine's image (2026-12-03) g++ linked libstdc++
+    # statically into the extension: that private copy's locale was never set up, and every message
+    # formatted with std::ostream (c10::str, TORCH_CHECK) crashed the process (bench/probe_abi.py,
+    # bench/probe_toolchain.sh). Naming libstdc++.so.6 resolves those symbols to the process's one copy.
+    link = ["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else []
     ext = CUDAExtension(
         name="vllm_wna16_plugin._C",
         sources=[
             "csrc/torch_bindings.cpp",
+            "csrc/gemm_args.cpp",
             "csrc/moe_wna16_gemm.cu",
             "csrc/moe_wna16_gemv.cu",
             "csrc/moe_wna16_mma.cu",
         ],
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={"cxx": ["-O3", "-std=c++17", abi], "nvcc": ["-O3", "-std=c++17", "-lineinfo", abi]},
+        extra_link_args=link,
         py_limited_api=False,
     )
     return [ext], {"build_ext": BuildExtension}

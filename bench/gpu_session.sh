@@ -24,11 +24,20 @@ TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=16 python3 -m pip ins
   --no-index -e . >/tmp/pip.log 2>&1 || cat /tmp/pip.log
 grep -h "vllm-wna16-plugin:" /tmp/pip.log 2>/dev/null | head -2
 python3 -c "from vllm_wna16_plugin.kernels.cuda_ops import extension_error as e; print('CUDA ops:', e() or 'built')"
+# vllm serve's modules the bundle lacks (uvicorn, ...), carried as wheels in .whl (see docs/gpu-machine.md)
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-extra .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site-extra
+fi
+# nor flashinfer: vLLM's sampler imports it unless told not to
+export VLLM_USE_FLASHINFER_SAMPLER=0
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_LEVEL:-INFO}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 rc=0
 for step in "$@"; do
   case "$step" in
+    toolchain) bash bench/probe_toolchain.sh 2>&1 | tee "$OUT/probe_toolchain.log" ;;
+    serve-import) python3 -c "import vllm.entrypoints.openai.api_server; print('vllm serve imports: ok')" 2>&1 | tail -4 ;;
     abi) timeout 300 python3 bench/probe_abi.py 2>&1 | tee "$OUT/probe_abi.log" | tail -60 ;;
     probe) timeout 120 python3 bench/probe_refusals.py 2>&1 | tee "$OUT/probe.log" | tail -12 ;;
     # vLLM inspects lazily registered models in `python -m vllm.model_executor.models.registry`: its stderr

@@ -6,6 +6,7 @@
 
 #include <optional>
 
+#include "gemm_args.h"
 #include "launch_rules.h"
 
 namespace wna16_plus {
@@ -19,6 +20,19 @@ std::string moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const
 std::string check_launch_config(int64_t size_k, int64_t num_groups, int64_t block_size_m, int64_t block_size_n,
                                 int64_t block_size_k, int64_t bits) {
   return launch_config_error(size_k, num_groups, block_size_m, block_size_n, block_size_k, bits);
+}
+
+// The op's argument check on tensors of any device (CPU in CI): "" when moe_wna16_gemm would launch.
+std::string check_gemm_args(const at::Tensor& a, const at::Tensor& qweight, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& qzeros, const std::optional<at::Tensor>& topk_weights,
+                            const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
+                            const at::Tensor& num_tokens_post_padded, const at::Tensor& c, int64_t bits,
+                            int64_t top_k, int64_t block_size_m, int64_t block_size_n, int64_t block_size_k,
+                            const std::string& kernel, const std::string& activation) {
+  GemmShape shape;
+  return gemm_args_error(a, qweight, scales, qzeros, topk_weights, sorted_token_ids, expert_ids,
+                         num_tokens_post_padded, c, bits, top_k, block_size_m, block_size_n, block_size_k, kernel,
+                         activation, false, &shape);
 }
 
 bool check_mma_kernel_fits(int64_t size_k, int64_t num_groups, int64_t bits) {
@@ -35,6 +49,11 @@ TORCH_LIBRARY(wna16_plus, m) {
   m.def("check_launch_config(int size_k, int num_groups, int block_size_m, int block_size_n, int block_size_k, "
         "int bits) -> str",
         &wna16_plus::check_launch_config);
+  m.def(
+      "check_gemm_args(Tensor a, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? topk_weights, "
+      "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor c, int bits, "
+      "int top_k, int block_size_m, int block_size_n, int block_size_k, str kernel=\"auto\", str activation=\"none\") -> str",
+      &wna16_plus::check_gemm_args);
   m.def("mma_kernel_fits(int size_k, int num_groups, int bits) -> bool", &wna16_plus::check_mma_kernel_fits);
 }
 

@@ -114,3 +114,93 @@ def test_cuda_backend_rules():
         _problem(gs=CHANNELWISE, H=1004, explicit=True)
     )
     assert cuda.incompatibility_reason(_problem(gs=CHANNELWISE, I=176, explicit=True)) is None  # 704 at TP4
+
+
+def _gemm_args(K=256, N=64, E=4, M=3, top_k=2, gs=32, bm=16, bn=32, bk=128):
+    """Valid arguments of one moe_wna16_gemm on CPU tensors (random data: only the metadata is checked)."""
+    gen = torch.Generator().manual_seed(K + N)
+    pairs, G = M * top_k, K // gs
+    em = pairs + E * (bm - 1)
+    return dict(
+        a=torch.randn(M, K, generator=gen).bfloat16(),
+        qweight=torch.randint(0, 256, (E, N, K // 2), generator=gen, dtype=torch.uint8),
+        scales=torch.rand(E, N, G, generator=gen).bfloat16(),
+        qzeros=torch.randint(0, 256, (E, N // 2, G), generator=gen, dtype=torch.uint8),
+        topk_weights=torch.rand(pairs, generator=gen),
+        sorted_token_ids=torch.randint(0, pairs, (em,), generator=gen, dtype=torch.int32),
+        expert_ids=torch.randint(0, E, (em // bm,), generator=gen, dtype=torch.int32),
+        num_tokens_post_padded=torch.tensor([bm * 2], dtype=torch.int32),
+        c=torch.empty(pairs, N, dtype=torch.bfloat16),
+        bits=4, top_k=top_k, block_size_m=bm, block_size_n=bn, block_size_k=bk, kernel="auto", activation="none",
+    )  # fmt: skip
+
+
+def _misaligned(t: torch.Tensor, elems: int) -> torch.Tensor:
+    """A contiguous copy of t that starts `elems` elements into its storage."""
+    flat = torch.empty(t.numel() + elems, dtype=t.dtype)
+    view = flat[elems:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+BAD_GEMM_ARGS = {  # name -> (change to the valid arguments, what the refusal must say)
+    "a fp32": (lambda k: dict(a=k["a"].float()), r"a must be float16 or bfloat16, got Float"),
+    "a K-strided": (lambda k: dict(a=k["a"].t().contiguous().t()), r"a must be \(rows, K\) with K contiguous, got \[3, 256\]"),
+    "bits 3": (lambda k: dict(bits=3), r"bits=3 is not supported \(4 or 8\)"),
+    "qweight half rows": (lambda k: dict(qweight=k["qweight"][..., :64].contiguous()), r"qweight has 64 bytes per row but K=256 int4 needs 128"),
+    "qweight int8 dtype": (lambda k: dict(qweight=k["qweight"].to(torch.int8)), r"uint8 tensor, got \[4, 64, 128\] Char"),
+    "scales fp32": (lambda k: dict(scales=k["scales"].float()), r"scales must be a contiguous \(E=4, N=64, G\) tensor in a's dtype, got \[4, 64, 8\] Float"),
+    "BLOCK_SIZE_K 512 at gs32": (lambda k: dict(block_size_k=512, a=torch.zeros(3, 1024).bfloat16(), qweight=torch.zeros(4, 64, 512, dtype=torch.uint8), scales=torch.zeros(4, 64, 32).bfloat16(), qzeros=None), r"BLOCK_SIZE_K // group_size must be one of \[1, 2, 4, 8\]"),
+    "qzeros shape": (lambda k: dict(qzeros=k["qzeros"][:, :16].contiguous()), r"qzeros must be a contiguous \(E, N\*bits/8, G\) uint8 tensor, got \[4, 16, 8\]"),
+    "activation relu": (lambda k: dict(activation="relu"), r"activation must be none, silu or gelu, got relu"),
+    "c wrong width": (lambda k: dict(c=k["c"][:, :32].contiguous()), r"c must be a contiguous \(num_pairs, 64\) tensor in a's dtype, got \[6, 32\]"),
+    "gated c full width": (lambda k: dict(activation="silu"), r"c must be a contiguous \(num_pairs, 32\)"),
+    "too few rows": (lambda k: dict(c=torch.empty(20, 64, dtype=torch.bfloat16)), r"a has 3 rows, too few for 20 pairs at top_k=2"),
+    "topk_weights short": (lambda k: dict(topk_weights=k["topk_weights"][:5]), r"topk_weights must be num_pairs=6 contiguous float32"),
+    "ids int64": (lambda k: dict(sorted_token_ids=k["sorted_token_ids"].long()), r"must be int32 \(moe_align_block_size's\)"),
+    "expert_ids short": (lambda k: dict(expert_ids=k["expert_ids"][:2]), r"the alignment does not match BLOCK_SIZE_M=16 \(66 sorted ids, 2 expert ids\)"),
+    "kernel name": (lambda k: dict(kernel="tc"), r"kernel must be auto, mma or gemv, got tc"),
+    "qweight odd offset": (lambda k: dict(qweight=_misaligned(k["qweight"], 3)), r"qweight must start on a 16-byte boundary"),
+    "scales odd offset, mma": (lambda k: dict(scales=_misaligned(k["scales"], 1)), r"scales and qzeros must start on 4-byte boundaries"),
+    "gelu on gemv": (lambda k: dict(activation="gelu", kernel="gemv", c=k["c"][:, :32].contiguous()), r"activation=gelu is fused only in the mma kernel \(K=256, G=8, int4, kernel=gemv\)"),
+    "mma where chunks straddle": (lambda k: dict(kernel="mma", a=torch.zeros(3, 176).bfloat16(), qweight=torch.zeros(4, 64, 88, dtype=torch.uint8), scales=torch.zeros(4, 64, 1).bfloat16(), qzeros=None, block_size_k=176), r"the mma kernel needs 16-byte chunks of a weight row inside one scale group; K=176, G=1, int4"),
+}  # fmt: skip
+
+
+@needs_extension
+@pytest.mark.parametrize("case", list(BAD_GEMM_ARGS))
+def test_the_op_refuses_each_bad_argument_with_its_reason(case):
+    # The op's own check (csrc/gemm_args.cpp) on CPU tensors: every message is built and returned as
+    # text (no std::ostream: it crashed on the GPU machine's image); the valid arguments pass.
+    kw = _gemm_args()
+    assert torch.ops.wna16_plus.check_gemm_args(**kw) == ""
+    change, match = BAD_GEMM_ARGS[case]
+    kw.update(change(kw))
+    refusal = torch.ops.wna16_plus.check_gemm_args(**kw)
+    assert re.search(match, refusal), f"{case}: {refusal!r}"
+
+
+@needs_extension
+def test_the_op_checks_the_device_only_when_launching():
+    # the CUDA op is registered for CUDA tensors only; its check passes CPU tensors to the other rules
+    kw = _gemm_args()
+    no_pairs = {**kw, "a": kw["a"][:0], "c": kw["c"][:0], "topk_weights": None}
+    assert torch.ops.wna16_plus.check_gemm_args(**no_pairs) == ""
+    with pytest.raises(NotImplementedError):
+        torch.ops.wna16_plus.moe_wna16_gemm(**kw)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_an_extension_with_its_own_static_libstdcxx_is_not_used(tmp_path):
+    # the GPU machine's image linked libstdc++ statically into the extension, and its std::ostream
+    # crashed the process on the first error message: such a build is refused with the reason
+    import subprocess
+
+    from vllm_wna16_plugin.kernels.cuda_ops import static_libstdcxx_error
+
+    src = tmp_path / "f.cpp"
+    src.write_text('#include <sstream>\nextern "C" int f(long n) { std::ostringstream s; s << n; return 0; }\n')
+    for name, flags in (("static", ["-static-libstdc++"]), ("shared", [])):
+        subprocess.run(["g++", "-shared", "-fPIC", *flags, str(src), "-o", str(tmp_path / f"{name}.so")], check=True)
+    assert "linked with a static libstdc++" in static_libstdcxx_error(str(tmp_path / "static.so"))
+    assert static_libstdcxx_error(str(tmp_path / "shared.so")) is None

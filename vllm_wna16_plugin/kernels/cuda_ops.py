@@ -23,15 +23,32 @@ AlignFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 @functools.cache
 def extension_error() -> str | None:
-    """None when vllm_wna16_plugin._C loads (registering torch.ops.wna16_plus), else why not."""
+    """None when vllm_wna16_plugin._C loads (registering torch.ops.wna16_plus) and is safe to use, else why not."""
     try:
-        import vllm_wna16_plugin._C  # noqa: F401
+        import vllm_wna16_plugin._C as ext
     except ImportError as exc:
         return (
             f"the plugin's CUDA extension is not built ({exc}); reinstall with a CUDA toolkit: "
             "pip install --no-build-isolation -e ."
         )
-    return None
+    return static_libstdcxx_error(ext.__file__)
+
+
+def static_libstdcxx_error(path: str) -> str | None:
+    """Why a built extension must not be used: it carries its own static copy of libstdc++.
+
+    Such a copy's std::ostream crashed the process on the first formatted error message (the GPU
+    machine's image, 2026-12-03; docs/gpu-machine.md). setup.py links libstdc++.so.6 by name to
+    prevent it; this catches a toolchain that still does it. A shared object that links the
+    shared libstdc++ names it in its dynamic string table."""
+    with open(path, "rb") as f:
+        if b"libstdc++.so.6" in f.read():
+            return None
+    return (
+        f"the plugin's CUDA extension {path} was linked with a static libstdc++ (no libstdc++.so.6 "
+        "dependency), whose error messages crash the process; rebuild with a toolchain that links "
+        "libstdc++ dynamically (see docs/gpu-machine.md)"
+    )
 
 
 def launch_config_error(size_k: int, num_groups: int, config: BlockConfig, bits: int) -> str:

@@ -36,6 +36,11 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 rc=0
 for step in "$@"; do
   case "$step" in
+    profile) ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null) || { echo "no ncu on this machine"; continue; }
+             timeout ${PROFILE_TIMEOUT:-300} "$ncu" --kernel-name regex:'moe_wna16|marlin|fused_moe' --launch-skip 6 --launch-count 12 \
+               --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+               --section Occupancy --section LaunchStats python3 bench/profile_kernels.py ${PROFILE_ARGS:-} 2>&1 \
+               | grep --line-buffered -v "^INFO\|^WARNING" | tee "$OUT/profile.log" | tail -60 ;;
     toolchain) bash bench/probe_toolchain.sh 2>&1 | tee "$OUT/probe_toolchain.log" ;;
     serve-import) python3 -c "import vllm.entrypoints.openai.api_server; print('vllm serve imports: ok')" 2>&1 | tail -4 ;;
     abi) timeout 300 python3 bench/probe_abi.py 2>&1 | tee "$OUT/probe_abi.log" | tail -60 ;;

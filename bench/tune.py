@@ -5,7 +5,8 @@ alone (GEMM1: N=2I, K=H; GEMM2: N=H, K=I) through invoke_wna16_gemm, on real rou
 
   stage A  tile shape: BLOCK_SIZE_M from the M bucket ({1} per pair while pairs rarely
            share an expert, {16, 32, 64} by tokens per expert), BLOCK_SIZE_N {32, 64, 128},
-           BLOCK_SIZE_K {64, 128, 256} legal for the group size; num_warps 4, num_stages 4.
+           BLOCK_SIZE_K {64, 128, 256} legal for the group size (per pair also 512, 1024:
+           wide_block_k); num_warps 4, num_stages 4.
   stage B  around the best 2 tiles: num_warps {4, 8} x num_stages {3, 4, 5} (and 1 per pair), SPLIT_K {2, 4}
            when the grid is short of 2 programs per SM, use_td True where td_gate allows it.
 
@@ -95,6 +96,13 @@ def legal_block_k(K: int, gs: int) -> list[int]:
     return [bk for bk in out if bk <= max(64, 2 * K)]
 
 
+def wide_block_k(K: int, gs: int, block_n: int) -> list[int]:
+    """Per-pair K tiles past 256 (the kernel then reduces every step): longer contiguous runs of each
+    weight row per step, at most 32K dequantized elements per tile, and at least one whole tile of K."""
+    g = K if gs == -1 else gs
+    return [bk for bk in (512, 1024) if bk <= K and block_n * bk <= 32768 and (g == K or bk % g == 0 or g % bk == 0)]
+
+
 def block_m_choices(M: int, E: int, top_k: int) -> list[int]:
     pairs = M * top_k
     hit = expected_experts_hit(pairs, E)
@@ -124,7 +132,7 @@ def stage_a(M: int, E: int, N: int, K: int, top_k: int, gs: int, bits: int) -> l
     out = [first]
     for bm in block_m_choices(M, E, top_k):
         for bn in (32, 64, 128):
-            for bk in legal_block_k(K, gs):
+            for bk in legal_block_k(K, gs) + (wide_block_k(K, gs, bn) if bm == 1 else []):
                 if bm >= 64 and bk > 128:
                     continue  # 64-row tiles: shared memory for 256-wide K stages is better spent on stages
                 cfg = TritonMoEConfig(bm, bn, bk, GROUP_SIZE_M=1 if bm <= 16 else 8, num_warps=4, num_stages=4)

@@ -319,6 +319,13 @@ PER_PAIR_CASES = [
     pytest.param(1, 1344, 64, 4, 2, 8, 64, 64, False, FP16, Cfg(1, 32, 128, SPLIT_K=4), id="int8-K1344-split4-uneven"),
     # top_k=1: GEMM2 writes out directly
     pytest.param(3, 128, 64, 4, 1, 4, 32, 32, False, BF16, Cfg(1, 16, 64), id="int4-topk1-direct-out"),
+    # K tiles wider than 256 reduce every step: 512-byte int4 rows, gs128 (8 groups per tile); GEMM2's
+    # K=128 is a fraction of one tile
+    pytest.param(1, 2048, 128, 4, 2, 4, 128, 128, True, BF16, Cfg(1, 32, 1024), id="int4-wideK1024-reduce-each-step"),
+    # a wide tile over a K tail (1344 = 2.6 tiles of 512), gs32 (16 groups per tile), fp16
+    pytest.param(2, 1344, 64, 4, 2, 4, 32, 32, False, FP16, Cfg(1, 64, 512), id="int4-wideK512-K1344-tail-fp16"),
+    # int8 wide tiles split over K
+    pytest.param(2, 2048, 64, 4, 2, 8, 64, 64, True, BF16, Cfg(1, 32, 512, SPLIT_K=2), id="int8-wideK512-split2"),
 ]
 
 
@@ -613,9 +620,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vllm_wna16_plugin.kernels.triton import fused_moe
 
-sm, bits, td, gather, even_k, pair = (int(v) for v in sys.argv[1:])
+sm, bits, td, gather, even_k, pair = (int(v) for v in sys.argv[1:7])
 kernel = fused_moe._fused_moe_wna16_pair_kernel if pair else fused_moe._fused_moe_wna16_kernel
 K, N, gs, bk = (2048, 1536, 32, 256) if even_k else (1344, 1536, 32, 128)
+bk = int(sys.argv[7]) if len(sys.argv) > 7 else bk  # a K tile wider than the default
 ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8", topk_weights_ptr="*fp32",
             sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
             topk_ids_ptr="*i32", expert_map_ptr="*i32")
@@ -646,6 +654,22 @@ print(*tags)
 """
 
 
+def _compile_for_gpu(*args) -> set[str]:
+    """Run _AOT_SCRIPT (sm, bits, td, gather, even_k, pair[, block_k]) and return the PTX's tags."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(fused_moe.__file__).parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, *map(str, args)], capture_output=True, text=True,
+                         env=env, timeout=300)  # fmt: skip
+    if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr:
+        pytest.skip("no ptxas in this triton install")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return set(res.stdout.split())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sm,bits,td,gather,even_k,pair,want",
@@ -664,25 +688,19 @@ print(*tags)
 )
 def test_kernel_compiles_for_gpu_targets(sm, bits, td, gather, even_k, pair, want):
     # triton.compile with the wheel's ptxas: the GPU code paths build (TMA on sm90, gather4 on sm100)
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(fused_moe.__file__).parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
-    res = subprocess.run(
-        [sys.executable, "-c", _AOT_SCRIPT, *map(str, (sm, bits, td, gather, even_k, pair))],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr:
-        pytest.skip("no ptxas in this triton install")
-    assert res.returncode == 0, res.stderr[-3000:]
-    tags = set(res.stdout.split())
-    assert want <= tags, res.stdout
+    tags = _compile_for_gpu(sm, bits, td, gather, even_k, pair)
+    assert want <= tags, tags
     # scales and zeros: a (BLOCK_N, GROUPS) vector per K step, not one load per B element
     # (64 x 256 elements per tile over 128 threads would be 128 scalar loads per thread)
     b16 = int(next(t for t in tags if t.startswith("B16LOADS=")).split("=")[1])
-    assert b16 <= 16, res.stdout
+    assert b16 <= 16, tags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("even_k", [1, 0])
+def test_wide_k_per_pair_kernel_compiles_for_sm90(even_k):
+    # BLOCK_SIZE_K = 1024 (512-byte int4 rows per step, reduced every step) still loads B as
+    # 16-byte vectors with a (BLOCK_N, GROUPS) scale vector per step
+    tags = _compile_for_gpu(90, 4, 0, 0, even_k, 1, 1024)
+    assert "LDV4" in tags, tags
+    assert int(next(t for t in tags if t.startswith("B16LOADS=")).split("=")[1]) <= 64, tags

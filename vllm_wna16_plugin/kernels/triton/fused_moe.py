@@ -40,6 +40,8 @@ from vllm_wna16_plugin.kernels.triton.dequant import _dequant_b_tile, _round_to,
 from vllm_wna16_plugin.kernels.triton.td_gate import TDDecision, decide_td, td_request_from_env
 
 ACTIVATIONS = ("silu", "gelu")
+# The per-pair kernel's widest K tile that keeps a (BLOCK_N, BLOCK_K) accumulator; wider tiles reduce each step.
+PAIR_ACC_MAX_K: tl.constexpr = tl.constexpr(256)
 _COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AlignFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -386,7 +388,14 @@ def _fused_moe_wna16_pair_kernel(
         b_desc = tl.make_tensor_descriptor(
             b_ptr, shape=[E, N, KB], strides=[stride_be, stride_bn, 1], block_shape=[1, BLOCK_SIZE_N, BLOCK_KB]
         )
-    acc = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_K), dtype=tl.float32)
+    # Up to BLOCK_SIZE_K = 256 the (BLOCK_N, BLOCK_K) float32 products accumulate elementwise and
+    # are reduced along K once, after the loop. Wider K tiles (longer contiguous runs of each
+    # weight row per step) would not fit that accumulator in registers: they reduce every step.
+    REDUCE_EACH_STEP: tl.constexpr = BLOCK_SIZE_K > PAIR_ACC_MAX_K
+    if REDUCE_EACH_STEP:
+        acc = tl.zeros((BLOCK_SIZE_N,), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_K), dtype=tl.float32)
     for k in tl.range(0, TILES_PER_SPLIT, num_stages=NUM_STAGES):  # B by cp.async, NUM_STAGES deep
         k0 = (split * TILES_PER_SPLIT + k) * BLOCK_SIZE_K
         if EVEN_K:
@@ -399,8 +408,14 @@ def _fused_moe_wna16_pair_kernel(
             K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
             BLOCK_SIZE_N, BLOCK_SIZE_K,
         )  # fmt: skip
-        acc += a.to(tl.float32)[None, :] * w.to(tl.float32)
-    out = tl.sum(acc, axis=1)
+        if REDUCE_EACH_STEP:
+            acc += tl.sum(a.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
+        else:
+            acc += a.to(tl.float32)[None, :] * w.to(tl.float32)
+    if REDUCE_EACH_STEP:
+        out = acc
+    else:
+        out = tl.sum(acc, axis=1)
     if MUL_ROUTED_WEIGHT:
         out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
     _store_c(c_ptrs, out, c_mask, SPLIT_K, compute_type, INTERPRET_BF16)

@@ -19,10 +19,20 @@ source .vb/install.sh >/dev/null 2>/tmp/install.log || { cat /tmp/install.log; e
 # in model inspection. The runs here use TRITON_ATTN and never call flash-attn: let the import succeed.
 fa=$(python3 -c "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])")/vllm_flash_attn/__init__.py
 sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:  # gpu_session.sh: bundle without flash-attn kernels/' "$fa"
-# builds csrc/ for sm90 on the machine's 16 cores (the `cuda` backend); the log says if it could not
-TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=16 python3 -m pip install -q --no-deps --no-build-isolation \
-  --no-index -e . >/tmp/pip.log 2>&1 || cat /tmp/pip.log
-grep -h "vllm-wna16-plugin:" /tmp/pip.log 2>/dev/null | head -2
+# builds csrc/ for sm90 on the machine's 16 cores (the `cuda` backend); the log says if it could not.
+# A call chained within 30 s finds the machine warm: the editable install and the ignored _C*.so are still
+# there, so the build is skipped when csrc/ and setup.py are unchanged (the stamp lives in /tmp).
+stamp=$(cat setup.py pyproject.toml csrc/* 2>/dev/null | sha256sum | cut -c1-16)
+if [ "$(cat /tmp/wna16-build-stamp 2>/dev/null)" = "$stamp" ] && ls vllm_wna16_plugin/_C*.so >/dev/null 2>&1 \
+   && python3 -c "import importlib.metadata as m; m.version('vllm-wna16-plugin')" 2>/dev/null; then
+  echo "plugin: warm machine, csrc/ unchanged: build skipped"
+else
+  TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=16 python3 -m pip install -q --no-deps --no-build-isolation \
+    --no-index -e . >/tmp/pip.log 2>&1 || cat /tmp/pip.log
+  grep -h "vllm-wna16-plugin:" /tmp/pip.log 2>/dev/null | head -2
+  echo "$stamp" >/tmp/wna16-build-stamp
+fi
+echo "[set-up done at ${SECONDS} s]"
 python3 -c "from vllm_wna16_plugin.kernels.cuda_ops import extension_error as e; print('CUDA ops:', e() or 'built')"
 # vllm serve's modules the bundle lacks (uvicorn, ...), carried as wheels in .whl (see docs/gpu-machine.md)
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -35,6 +45,7 @@ export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 VLLM_LOGGING_LEVEL=${VLLM_LOGGING_L
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 rc=0
 for step in "$@"; do
+  t_step=$SECONDS
   case "$step" in
     profile) ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null) || { echo "no ncu on this machine"; continue; }
              timeout ${PROFILE_TIMEOUT:-300} "$ncu" --kernel-name regex:'moe_wna16|marlin|fused_moe' --launch-skip 6 --launch-count 12 \
@@ -56,5 +67,6 @@ for step in "$@"; do
     bench) timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/bench.log" | tail -70 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
+  echo "[step $step: $((SECONDS - t_step)) s, ${SECONDS} s in all]"
 done
 exit $rc

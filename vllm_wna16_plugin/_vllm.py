@@ -62,7 +62,13 @@ def check_vllm_version(version: str | None = None) -> None:
 
 
 def init_logger(name: str) -> logging.Logger:
-    """vLLM's logger when vLLM is importable, else a standard one (doctor on a laptop)."""
+    """vLLM's logger for a plugin module, named under `vllm.` so that vLLM's handler prints it.
+
+    vLLM configures only the `vllm` logger (its handler, VLLM_LOGGING_LEVEL; no propagation). A
+    logger named `vllm_wna16_plugin.x` would sit under the root logger, whose last-resort handler
+    drops INFO: the backend explanation never reached `vllm serve`'s log (H200, 2026-12-03).
+    Without vLLM (doctor on a laptop) a standard logger of the same name."""
+    name = name if name.startswith("vllm.") else f"vllm.{name}"
     try:
         from vllm.logger import init_logger as _init
 

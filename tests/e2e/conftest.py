@@ -67,6 +67,30 @@ def first_errors(log: str, context: int = 12) -> str:
     return out + "".join("\n--- subprocess stderr ---\n" + "\n".join(lines[i : i + 60]) for i in sub)
 
 
+_CONFIG = None  # pytest's config: its terminal reporter prints progress while the tier runs
+
+
+def pytest_configure(config):
+    global _CONFIG
+    _CONFIG = config
+
+
+def progress(line: str) -> None:
+    """One line on the terminal now: a GPU call's time limit may cut the run before pytest's summary."""
+    reporter = _CONFIG.pluginmanager.get_plugin("terminalreporter") if _CONFIG is not None else None
+    if reporter is not None:
+        reporter.write_line(f"[e2e] {line}")
+        reporter._tw.flush()
+
+
+def pytest_runtest_logreport(report):
+    """Each test's outcome and time as it ends, with the failure's tail (pytest prints failures last)."""
+    if report.when == "call" or report.outcome == "failed":
+        progress(f"{report.outcome.upper()} {report.nodeid} ({report.duration:.0f} s)")
+        if report.failed:
+            progress(report.longreprtext[-2500:])
+
+
 def e2e_jobs() -> int:
     """How many LLM(...) runs may share the GPU at once (E2E_JOBS, default 1: one at a time)."""
     return max(1, int(os.environ.get("E2E_JOBS", "1")))
@@ -95,7 +119,10 @@ def _run_llm_now(model: Path, tmp_path: Path, timeout: int = 900, **kwargs) -> R
     if not out_path.exists():
         raise AssertionError(f"{tag}: the runner died (rc {proc.returncode}) before writing a result\n"
                              f"{first_errors(log)}")  # fmt: skip
-    return Run(json.loads(out_path.read_text()), log)
+    run = Run(json.loads(out_path.read_text()), log)
+    progress(f"run {model.name} {tag}: {'ok' if run.ok else run.result.get('error_type')} "
+             f"in {run.result.get('seconds', 0):.0f} s")  # fmt: skip
+    return run
 
 
 _POOL: ThreadPoolExecutor | None = None

@@ -20,6 +20,9 @@ import time
 import traceback
 from pathlib import Path
 
+# no torch.compile (start-up time); decode steps replay full CUDA graphs unless eager
+COMPILATION = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}
+
 
 def register_architectures_in_process(model: str) -> list[str]:
     """Import the checkpoint's architectures here, so vLLM inspects them in this process.
@@ -57,12 +60,7 @@ def make_llm(spec: dict):
         kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 256 << 20),
         attention_backend="TRITON_ATTN",  # the offline bundle has no flash-attn kernels
         enforce_eager=spec.get("eager", False),
-        # no torch.compile (start-up time); decode steps replay full CUDA graphs unless eager
-        compilation_config={
-            "mode": 0,
-            "cudagraph_mode": "FULL_DECODE_ONLY",
-            "cudagraph_capture_sizes": [1, 2, 4, 8],
-        },
+        compilation_config=COMPILATION,
     )
 
 

@@ -1,5 +1,6 @@
 """td_gate.decide_td: one test per rule (pure Python, no kernel)."""
 
+import contextlib
 import logging
 
 import pytest
@@ -105,9 +106,20 @@ def test_unaligned_rows_or_pointers_no_td():
     assert both(decide(aligned=False)) == (False, False)
 
 
+@contextlib.contextmanager
+def gate_log(caplog):
+    """caplog's handler on the gate's logger: vLLM's `vllm` logger, its parent, does not propagate."""
+    td_gate.logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=td_gate.logger.name):
+            yield
+    finally:
+        td_gate.logger.removeHandler(caplog.handler)
+
+
 def test_forced_refusal_logs_once_and_never_raises(caplog):
     td_gate._logged.clear()
-    with caplog.at_level(logging.INFO, logger=td_gate.__name__):
+    with gate_log(caplog):
         for _ in range(3):
             assert both(decide(platform="cuda", sm=80)) == (False, False)
     msgs = [r.getMessage() for r in caplog.records if "sm80" in r.getMessage()]
@@ -116,7 +128,7 @@ def test_forced_refusal_logs_once_and_never_raises(caplog):
 
 def test_auto_refusal_does_not_log(caplog):
     td_gate._logged.clear()
-    with caplog.at_level(logging.INFO, logger=td_gate.__name__):
+    with gate_log(caplog):
         decide(requested=None, platform="cuda", sm=80)
         decide(requested=None, platform="xpu", M=1)
     assert not caplog.records

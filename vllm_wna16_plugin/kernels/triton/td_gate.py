@@ -23,11 +23,12 @@ it never raises. `td_request_from_env` reads VLLM_TRITON_USE_TD.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
-logger = logging.getLogger(__name__)
+from ... import _vllm
+
+logger = _vllm.init_logger(__name__)
 
 PLATFORMS = ("cuda", "xpu", "rocm", "cpu", "interpreter")
 ENV_VAR = "VLLM_TRITON_USE_TD"

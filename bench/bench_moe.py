@@ -169,8 +169,6 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
     use_td, cuda_kernel = None, None
     if name == "cuda-gemv":  # the CUDA-core kernel, where the tensor-core one would run
         name, cuda_kernel = "cuda", "gemv"
-    if name == "cuda-wide":  # the tensor-core kernel, 4 chunks per lane and row per step (an experiment)
-        name, cuda_kernel = "cuda", "mma-wide"
     if name.startswith("triton"):
         use_td, name = name.endswith("-td"), "triton"
     problem = make_problem(x, w.q13, w.q2, w.scales13, w.scales2, topk_ids, bits=4, group_size=gs,

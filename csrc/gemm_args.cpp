@@ -82,9 +82,9 @@ std::string gemm_args_error(const at::Tensor& a, const at::Tensor& qweight, cons
   *shape = GemmShape{E, N, K, G, out_n, num_pairs, em, 0, false, gated, em < block_size_m || num_pairs == 0};
   if (shape->nothing_to_do) return "";
 
-  WNA16_REQUIRE(kernel == "auto" || kernel == "mma" || kernel == "mma-wide" || kernel == "gemv",
-                "kernel must be auto, mma, mma-wide or gemv, got ", kernel);
-  const bool use_mma = kernel == "mma" || kernel == "mma-wide" || (kernel == "auto" && mma_kernel_fits(K, G, bits));
+  WNA16_REQUIRE(kernel == "auto" || kernel == "mma" || kernel == "gemv", "kernel must be auto, mma or gemv, got ",
+                kernel);
+  const bool use_mma = kernel == "mma" || (kernel == "auto" && mma_kernel_fits(K, G, bits));
   WNA16_REQUIRE(!use_mma || mma_kernel_fits(K, G, bits), "the mma kernel needs 16-byte chunks of a weight row ",
                 "inside one scale group; K=", K, ", G=", G, ", int", bits, " does not give them");
   // the mma kernel copies the 4-byte words that hold a scale or zero point

@@ -13,8 +13,7 @@
 // (cuda_ops.invoke_moe_wna16_gemm), so no C++ exception has to cross into torch. Two kernels do the
 // work: the tensor-core kernel (moe_wna16_mma.cu) wherever a weight row splits into 16-byte chunks inside one scale
 // group (every real model shape), else the CUDA-core kernel (moe_wna16_gemv.cu). `kernel`
-// ("auto", "mma", "gemv") forces one, for tests and benchmarks; "mma-wide" is the mma kernel with
-// 4 chunks per lane and row per step (256 contiguous bytes of a row per warp, an experiment). `activation` ("silu", "gelu")
+// ("auto", "mma", "gemv") forces one, for tests and benchmarks. `activation` ("silu", "gelu")
 // fuses the gated activation of GEMM1 into the mma kernel: c[p, n] = act(h[p, n]) * h[p, N/2 + n]
 // for n < N/2, h being the GEMM above; c is then (num_pairs, N/2).
 
@@ -56,7 +55,7 @@ std::string moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const
                activation == "silu" ? 1 : activation == "gelu" ? 2 : 0, static_cast<int>(s.out_n)};
   const bool fp16 = a.scalar_type() == at::kHalf;
   if (s.use_mma) {
-    const cudaError_t setup = launch_moe_wna16_mma(p, fp16, static_cast<int>(bits), kernel == "mma-wide", grid, stream);
+    const cudaError_t setup = launch_moe_wna16_mma(p, fp16, static_cast<int>(bits), grid, stream);
     if (setup != cudaSuccess) return std::string("mma kernel setup failed: ") + cudaGetErrorString(setup);
   } else {
     launch_moe_wna16_gemv(p, fp16, static_cast<int>(bits), static_cast<int>(s.vec_bytes), grid, stream);

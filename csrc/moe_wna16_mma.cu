@@ -38,17 +38,11 @@
 namespace wna16_plus {
 namespace {
 
-// A step is CPS 16-byte chunks per lane of each of its two rows: 4 * CPS consecutive chunks of a row
-// per warp (64 B at CPS = 1, the verified default; 256 B at CPS = 4, kernel="mma-wide", an
-// experiment in longer contiguous runs of each weight row). The ring is kStages steps deep.
-template <int CPS>
-constexpr int kStages = CPS == 1 ? 6 : 2;
+constexpr int kStages = 6;  // cp.async ring depth (steps per warp)
 
 // Shared memory of the ring, per block: 16-byte weight chunks and 4-byte scale / zero-point words
-// of 2 rows for every thread, chunk of a step, and stage (73 KB at CPS 1, 96 KB at CPS 4: two
-// blocks per SM either way).
-template <int CPS>
-constexpr int kRingBytes = kStages<CPS> * CPS * 2 * kThreads * (16 + 4 + 4);
+// of 2 rows for every thread and stage.
+constexpr int kRingBytes = kStages * 2 * kThreads * (16 + 4 + 4);
 template <typename T>
 struct Pair;
 template <>
@@ -121,8 +115,7 @@ struct RowChunk {
   float zero;
 };
 
-// This lane's slots of the ring: slot (d * CPS + c) holds chunk c of the step in stage d; r is the
-// row (0: lo, 1: hi).
+// This lane's slots of the ring: stage d, row r (0: lo, 1: hi).
 struct Ring {
   uint4* w;
   uint32_t* s;
@@ -210,15 +203,14 @@ __device__ __forceinline__ float gated_activation(float gate, float up, int acti
   return act * up;
 }
 
-template <typename T, int BITS, int TT, int CPS>
+template <typename T, int BITS, int TT>
 __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmParams p) {
   constexpr int kChunkVals = 128 / BITS;  // k per 16-byte chunk
-  constexpr int kSlots = kStages<CPS> * CPS;  // ring slots per lane and row
   __shared__ int s_pairs[kMaxBlockM];
   __shared__ float s_partial[kWarps][TT][4][32];
-  extern __shared__ uint4 s_ring[];  // kRingBytes<CPS>
-  const Ring ring{s_ring, reinterpret_cast<uint32_t*>(s_ring + kSlots * 2 * kThreads),
-                  reinterpret_cast<uint32_t*>(s_ring + kSlots * 2 * kThreads) + kSlots * 2 * kThreads};
+  extern __shared__ uint4 s_ring[];  // kRingBytes
+  const Ring ring{s_ring, reinterpret_cast<uint32_t*>(s_ring + kStages * 2 * kThreads),
+                  reinterpret_cast<uint32_t*>(s_ring + kStages * 2 * kThreads) + kStages * 2 * kThreads};
   const int n_begin = blockIdx.y * p.block_n;
   const int n_end = min(p.out_n, n_begin + p.block_n);  // output columns
   int expert;
@@ -232,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
   const int ksplit = kWarps / tiles_par;
   const int tile_slot = warp % tiles_par, kslice = warp / tiles_par;
   const int chunks = p.K * BITS / 128;  // 16-byte chunks per weight row
-  const int steps = (chunks + 4 * CPS - 1) / (4 * CPS);
+  const int steps = (chunks + 3) / 4;
   const int group_size = p.K / p.num_groups;
   const int64_t row_bytes = static_cast<int64_t>(p.K) * BITS / 8;
   const T* a = static_cast<const T*>(p.a);
@@ -275,28 +267,24 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
               p.qzeros == nullptr ? -1 : (static_cast<int64_t>(expert) * p.N * BITS / 8 + n * BITS / 8) * p.num_groups;
           rows[r].z_shift = BITS == 4 && (n & 1) ? 4 : 0;
         }
-        // this warp's steps: kslice, kslice + ksplit, ...; kStages - 1 of them in flight. Chunk c of
-        // step `step` is chunk (4 * CPS * step + 4 * c + q) of the row: lanes q = 0..3 are contiguous,
-        // and the CPS copies a lane issues per row follow each other.
-        constexpr int kDepth = kStages<CPS>;
+        // this warp's steps: kslice, kslice + ksplit, ...; kStages - 1 of them in flight
         const int my_steps = kslice < steps ? (steps - kslice + ksplit - 1) / ksplit : 0;
-        auto chunk_of = [&](int i, int c) { return (kslice + i * ksplit) * 4 * CPS + 4 * c + q; };
         auto issue_step = [&](int i) {
           if (i < my_steps) {
+            const int chunk = (kslice + i * ksplit) * 4 + q;
 #pragma unroll
-            for (int c = 0; c < CPS; ++c)
-#pragma unroll
-              for (int r = 0; r < 2; ++r)
-                rows[r].issue(p, ring, (i % kDepth) * CPS + c, r, chunk_of(i, c), chunks, group_size);
+            for (int r = 0; r < 2; ++r) rows[r].issue(p, ring, i % kStages, r, chunk, chunks, group_size);
           }
           commit_copies();  // one group per step, empty past the end: the wait count stays exact
         };
 #pragma unroll
-        for (int i = 0; i < kDepth - 1; ++i) issue_step(i);
+        for (int i = 0; i < kStages - 1; ++i) issue_step(i);
 
-        // B: this lane's token's 16-byte activation vectors of a chunk (zeros past K or for no token)
-        constexpr int kVecs = kChunkVals * sizeof(T) / 16;
-        auto load_x = [&](int chunk, uint4 (&x)[TT][kVecs]) {
+        for (int i = 0; i < my_steps; ++i) {
+          const int chunk = (kslice + i * ksplit) * 4 + q;
+          // B: this lane's token's 16-byte activation vectors of the chunk (zeros past K or for no token)
+          constexpr int kVecs = kChunkVals * sizeof(T) / 16;
+          uint4 x[TT][kVecs];
 #pragma unroll
           for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
@@ -304,25 +292,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
               x[tt][v] = a_row[tt] != nullptr && chunk < chunks
                              ? __ldg(reinterpret_cast<const uint4*>(a_row[tt] + chunk * kChunkVals) + v)
                              : make_uint4(0, 0, 0, 0);
-        };
-
-        for (int i = 0; i < my_steps; ++i) {
-          uint4 x[TT][kVecs];
-          load_x(chunk_of(i, 0), x);  // before the wait: its latency overlaps the ring's
-          wait_copies<kDepth - 2>();  // step i has landed
-          RowChunk lo, hi;
-          auto read_chunk = [&](int c) {
-            lo = rows[0].read(ring, (i % kDepth) * CPS + c, 0, chunk_of(i, c), group_size);
-            hi = rows[1].read(ring, (i % kDepth) * CPS + c, 1, chunk_of(i, c), group_size);
-          };
-          read_chunk(0);
-          issue_step(i + kDepth - 1);  // into the slots of step i - 1, read one step ago
-#pragma unroll 1
-          for (int c = 0; c < CPS; ++c) {  // not unrolled: one chunk's registers at a time
-          if (c > 0) {  // the ring's slots of step i stay untouched until step i + 1 is issued
-            load_x(chunk_of(i, c), x);
-            read_chunk(c);
-          }
+          wait_copies<kStages - 2>();  // step i has landed
+          const RowChunk lo = rows[0].read(ring, i % kStages, 0, chunk, group_size);
+          const RowChunk hi = rows[1].read(ring, i % kStages, 1, chunk, group_size);
+          issue_step(i + kStages - 1);  // into the slot read one step ago
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             if constexpr (BITS == 4) {
@@ -348,7 +321,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
               }
             }
           }
-          }  // chunk c
         }
         wait_copies<0>();  // nothing of this tile may land in the next tile's ring
       }
@@ -393,43 +365,33 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
   }
 }
 
-template <typename T, int BITS, int TT, int CPS>
+template <typename T, int BITS, int TT>
 cudaError_t launch_tiles(const GemmParams& p, dim3 grid, cudaStream_t stream) {
-  auto* kernel = moe_wna16_mma_kernel<T, BITS, TT, CPS>;
-  constexpr int kRing = kRingBytes<CPS>;
+  auto* kernel = moe_wna16_mma_kernel<T, BITS, TT>;
   // the ring is above the 48 KB a launch gets without asking: opt in once per device
   constexpr int kMaxDevices = 64;
   static bool opted_in[kMaxDevices] = {};
   int device = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   if (device >= kMaxDevices || !opted_in[device]) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRing);
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes);
     if (err != cudaSuccess) return err;
     if (device < kMaxDevices) opted_in[device] = true;
   }
-  kernel<<<grid, kThreads, kRing, stream>>>(p);
+  kernel<<<grid, kThreads, kRingBytes, stream>>>(p);
   return cudaSuccess;
 }
 
-template <typename T, int BITS, int CPS>
+template <typename T, int BITS>
 cudaError_t launch_typed(const GemmParams& p, dim3 grid, cudaStream_t stream) {
-  return p.block_m <= 8 ? launch_tiles<T, BITS, 1, CPS>(p, grid, stream)
-                        : launch_tiles<T, BITS, 2, CPS>(p, grid, stream);
-}
-
-template <int CPS>
-cudaError_t launch_steps(const GemmParams& p, bool fp16, int bits, dim3 grid, cudaStream_t stream) {
-  if (fp16)
-    return bits == 4 ? launch_typed<__half, 4, CPS>(p, grid, stream) : launch_typed<__half, 8, CPS>(p, grid, stream);
-  return bits == 4 ? launch_typed<__nv_bfloat16, 4, CPS>(p, grid, stream)
-                   : launch_typed<__nv_bfloat16, 8, CPS>(p, grid, stream);
+  return p.block_m <= 8 ? launch_tiles<T, BITS, 1>(p, grid, stream) : launch_tiles<T, BITS, 2>(p, grid, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_moe_wna16_mma(const GemmParams& p, bool fp16, int bits, bool wide_steps, dim3 grid,
-                                 cudaStream_t stream) {
-  return wide_steps ? launch_steps<4>(p, fp16, bits, grid, stream) : launch_steps<1>(p, fp16, bits, grid, stream);
+cudaError_t launch_moe_wna16_mma(const GemmParams& p, bool fp16, int bits, dim3 grid, cudaStream_t stream) {
+  if (fp16) return bits == 4 ? launch_typed<__half, 4>(p, grid, stream) : launch_typed<__half, 8>(p, grid, stream);
+  return bits == 4 ? launch_typed<__nv_bfloat16, 4>(p, grid, stream) : launch_typed<__nv_bfloat16, 8>(p, grid, stream);
 }
 
 }  // namespace wna16_plus

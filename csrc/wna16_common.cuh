@@ -71,8 +71,6 @@ __device__ __forceinline__ bool stage_block_pairs(const GemmParams& p, int* s_pa
 // Host launchers (one per kernel file). vec_bytes: pick_vector_bytes(K, G, BITS).
 void launch_moe_wna16_gemv(const GemmParams& p, bool fp16, int bits, int vec_bytes, dim3 grid, cudaStream_t stream);
 // launch_moe_wna16_mma returns the error of its one-time setup (the shared-memory opt-in), if any.
-// wide_steps: 4 chunks per lane and row per step (kernel="mma-wide", an experiment), else 1.
-cudaError_t launch_moe_wna16_mma(const GemmParams& p, bool fp16, int bits, bool wide_steps, dim3 grid,
-                                 cudaStream_t stream);
+cudaError_t launch_moe_wna16_mma(const GemmParams& p, bool fp16, int bits, dim3 grid, cudaStream_t stream);
 
 }  // namespace wna16_plus

@@ -36,12 +36,18 @@ def fused_moe_ref(
     activation: str = "silu",
     apply_router_weight_on_input: bool = False,
     expert_map: torch.Tensor | None = None,  # (E_global,) int: local id or -1
+    capture_safe: bool | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_j w[t,j] * W2[e] @ act(W13[e] @ x[t]), e = topk_ids[t,j]; (M, H) in x.dtype.
 
     Tokens routed to an expert that `expert_map` marks -1 (not on this rank)
     contribute nothing. With apply_router_weight_on_input the weight scales x
     before GEMM1 instead of the GEMM2 output.
+
+    Eager, it visits the experts the tokens picked (torch.unique: a host sync). While a CUDA graph
+    is being captured (capture_safe None: detected; vLLM captures decode steps of
+    `--moe-backend emulation` too), it runs every local expert on every token and masks: the
+    same arithmetic per (token, expert), with no data-dependent shapes.
     """
     dtype = x.dtype
     m, _ = x.shape
@@ -49,11 +55,10 @@ def fused_moe_ref(
     ids = topk_ids.long()
     if expert_map is not None:
         ids = expert_map.to(ids.device).long()[ids]
-    for e in torch.unique(ids).tolist():
-        if e < 0:
-            continue
-        tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        weight = topk_weights[tok, slot].float().unsqueeze(-1)
+    if capture_safe is None:
+        capture_safe = x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+    def add_expert(e: int, tok, weight: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         a = x[tok].float()
         if apply_router_weight_on_input:
             a = (a * weight).to(dtype).float()
@@ -62,7 +67,23 @@ def fused_moe_ref(
         y = act.float() @ w2[e].float().T
         if not apply_router_weight_on_input:
             y = y * weight
-        out.index_add_(0, tok, y.to(dtype).float())
+        y = y.to(dtype).float()
+        if keep is None:
+            out.index_add_(0, tok, y)
+        else:
+            out.add_(torch.where(keep, y, 0.0))
+
+    if capture_safe:
+        everyone = torch.arange(m, device=x.device)
+        for e in range(w13.shape[0]):
+            picked = ids == e  # (M, top_k); a token picks an expert at most once
+            add_expert(e, everyone, (topk_weights.float() * picked).sum(-1, keepdim=True), picked.any(-1, keepdim=True))
+        return out.to(dtype)
+    for e in torch.unique(ids).tolist():
+        if e < 0:
+            continue
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        add_expert(e, tok, topk_weights[tok, slot].float().unsqueeze(-1))
     return out.to(dtype)
 
 

@@ -7,11 +7,13 @@ llm_runner.py, with the plugin backend in VLLM_WNA16_PLUS_BACKEND.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +69,7 @@ def first_errors(log: str, context: int = 12) -> str:
     return out + "".join("\n--- subprocess stderr ---\n" + "\n".join(lines[i : i + 60]) for i in sub)
 
 
+_PROGRESS_LOCK = threading.Lock()
 _CONFIG = None  # pytest's config: its terminal reporter prints progress while the tier runs
 
 
@@ -77,8 +80,10 @@ def pytest_configure(config):
 
 def progress(line: str) -> None:
     """One line on the terminal now: a GPU call's time limit may cut the run before pytest's summary."""
-    reporter = _CONFIG.pluginmanager.get_plugin("terminalreporter") if _CONFIG is not None else None
-    if reporter is not None:
+    if _CONFIG is None or (reporter := _CONFIG.pluginmanager.get_plugin("terminalreporter")) is None:
+        return
+    capture = _CONFIG.pluginmanager.get_plugin("capturemanager")  # a run ends in a worker thread, mid-test
+    with _PROGRESS_LOCK, capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
         reporter.write_line(f"[e2e] {line}")
         reporter._tw.flush()
 
@@ -121,7 +126,7 @@ def _run_llm_now(model: Path, tmp_path: Path, timeout: int = 900, **kwargs) -> R
                              f"{first_errors(log)}")  # fmt: skip
     run = Run(json.loads(out_path.read_text()), log)
     progress(f"run {model.name} {tag}: {'ok' if run.ok else run.result.get('error_type')} "
-             f"in {run.result.get('seconds', 0):.0f} s")  # fmt: skip
+             f"in {run.result.get('seconds', 0):.0f} s {run.result.get('phases', {})}")  # fmt: skip
     return run
 
 

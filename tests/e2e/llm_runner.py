@@ -70,8 +70,11 @@ def main() -> int:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     out_path = sys.argv[2]
     t0 = time.time()
+    phases = {}  # seconds per phase: where a run's time goes when many share the machine
     try:
         from vllm import SamplingParams
+
+        phases["import"] = time.time() - t0
 
         fallback = False
         try:
@@ -84,10 +87,13 @@ def main() -> int:
             register_architectures_in_process(spec["model"])
             fallback = True
             llm = make_llm(spec)
+        phases["engine"] = time.time() - t0 - phases["import"]
         params = SamplingParams(
             max_tokens=spec.get("max_tokens", 16), temperature=0.0, logprobs=spec.get("logprobs", 5)
         )
+        t_gen = time.time()
         results = llm.generate(spec["prompts"], params)
+        phases["generate"] = time.time() - t_gen
         first = []
         for r in results:
             lp = r.outputs[0].logprobs[0] if r.outputs[0].logprobs else {}
@@ -109,6 +115,7 @@ def main() -> int:
             "detail": str(exc)[-4000:],
         }  # fmt: skip - e.g. the stderr of vLLM's model-inspection subprocess
     result["seconds"] = time.time() - t0
+    result["phases"] = {k: round(v, 1) for k, v in phases.items()}
     with open(out_path, "w") as f:
         json.dump(result, f)
     return 0

@@ -59,14 +59,10 @@ CASES = [
 
 
 # "auto": the tensor-core kernel wherever rows split into 16-byte chunks inside a group (K=176 and K=200
-# do not: their GEMM falls back to the CUDA-core kernel); "gemv": the CUDA-core kernel everywhere;
-# "mma-wide": the tensor-core kernel with 4 chunks per lane and row per step (where it fits)
-@pytest.mark.parametrize("kernel", ["auto", "gemv", "mma-wide"])
+# do not: their GEMM falls back to the CUDA-core kernel); "gemv": the CUDA-core kernel everywhere
+@pytest.mark.parametrize("kernel", ["auto", "gemv"])
 @pytest.mark.parametrize("M, H, I, E, top_k, bits, gs1, gs2, zp, dtype", CASES)
 def test_cuda_layer_matches_reference(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype, kernel):  # noqa: E741
-    fits = [torch.ops.wna16_plus.mma_kernel_fits(k, 1 if g == -1 else k // g, bits) for k, g in ((H, gs1), (I, gs2))]
-    if kernel == "mma-wide" and not all(fits):
-        pytest.skip("a GEMM whose rows do not split into 16-byte chunks per group has no mma kernel")
     p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype, seed=M)
     args, kw = _cuda(p)
     out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), kernel=kernel)
@@ -113,7 +109,7 @@ def _check_one_gemm(E, N, K, M, top_k, bits, gs, zp, dtype, cfg, kernel, seed):
     assert_close_scaled(c.cpu(), ref.cpu(), dtype, f"{kernel} BLOCK {cfg.block_size_m}x{cfg.block_size_n}, N={N} K={K}")
 
 
-@pytest.mark.parametrize("kernel", ["mma", "mma-wide", "gemv"])
+@pytest.mark.parametrize("kernel", ["mma", "gemv"])
 @pytest.mark.parametrize("block_m", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("block_n", [32, 128, 256, 1024])
 @pytest.mark.parametrize("bits,gs,block_k", [(4, 32, 256), (4, 128, 128), (8, -1, 64)])
@@ -136,12 +132,11 @@ def test_every_config_kind_computes_the_gemm(block_m, block_n, bits, gs, block_k
         (512, 2048, 4, 128, True, FP16, 16, 512, 64),  # 32 tiles: each warp 4 tiles, no K split
     ],
 )
-@pytest.mark.parametrize("kernel", ["mma", "mma-wide"])
-def test_mma_kernel_tails_and_work_splits(N, K, bits, gs, zp, dtype, block_m, block_n, M, kernel):
+def test_mma_kernel_tails_and_work_splits(N, K, bits, gs, zp, dtype, block_m, block_n, M):
     from vllm_wna16_plugin.block_config import BlockConfig
 
     cfg = BlockConfig(block_m, block_n, K if gs == -1 else gs, K, K if gs == -1 else gs)
-    _check_one_gemm(8, N, K, M, 2, bits, gs, zp, dtype, cfg, kernel, seed=N + K + block_m)
+    _check_one_gemm(8, N, K, M, 2, bits, gs, zp, dtype, cfg, "mma", seed=N + K + block_m)
 
 
 def test_mma_kernel_is_refused_where_chunks_straddle():
@@ -188,7 +183,7 @@ SANITIZED = textwrap.dedent(
     p = make_moe_problem(M=3, H=1344, I=256, E=8, top_k=2, bits=4, gs1=32, zp=True, seed=1)
     args = [t.cuda() for t in p.args()]
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in p.kwargs().items()}
-    for kernel in ("mma", "mma-wide", "gemv"):
+    for kernel in ("mma", "gemv"):
         fused_moe_wna16_cuda(*args, **kw, align_fn=_vllm.moe_align_block_size_fn(), kernel=kernel)
     torch.cuda.synchronize()
     """

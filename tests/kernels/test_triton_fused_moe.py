@@ -558,6 +558,10 @@ def test_default_config_is_legal_and_k_tail_is_small(K, gs, M):
         pytest.param(1, 8, 4096, 14336, 2, dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=32, SPLIT_K=2), id="mixtral-w2-m1"),
         # M=16 at E=128 top8: pairs share experts, tl.dot tiles of 16 rows
         pytest.param(16, 128, 1536, 2048, 8, dict(BLOCK_SIZE_M=16, BLOCK_SIZE_K=256, num_stages=4), id="qwen3-m16"),
+        # 64 tokens per expert (Qwen3-30B-A3B at M=1024): the H200 tuner's 32x64x64 tile at this load
+        pytest.param(
+            1024, 128, 1536, 2048, 8, dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64), id="qwen3-m1024"
+        ),  # fmt: skip
         pytest.param(4096, 8, 4096, 4096, 2, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, SPLIT_K=1), id="prefill"),
     ],
 )

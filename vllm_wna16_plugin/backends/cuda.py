@@ -94,5 +94,5 @@ class CudaBackend(Backend):
         return fused_moe_wna16_cuda(
             x, *tensors.weights(), topk_weights, topk_ids, **layer_kwargs(problem, tensors, expert_map),
             global_num_experts=problem.global_num_experts, align_fn=_vllm.moe_align_block_size_fn(),
-            kernel=problem.extra.get("cuda_kernel", "auto"),  # "gemv", "mma-wide": forced kernels (benchmarks)
+            kernel=problem.extra.get("cuda_kernel", "auto"),  # "gemv": the CUDA-core kernel (benchmarks)
         )  # fmt: skip

@@ -101,8 +101,7 @@ def invoke_moe_wna16_gemm(
     """One grouped GEMM on torch.ops.wna16_plus.moe_wna16_gemm; the op checks every argument first.
 
     kernel: "auto" (the tensor-core kernel wherever a weight row splits into 16-byte chunks inside
-    one scale group, else the CUDA-core one), or "mma" / "gemv" to force one (tests, benchmarks);
-    "mma-wide": the tensor-core kernel with 4 chunks per lane and row per step (an experiment).
+    one scale group, else the CUDA-core one), or "mma" / "gemv" to force one (tests, benchmarks).
     activation: "silu" / "gelu" fuses the gated activation (mma kernel only): rows n and N/2 + n of
     qweight are gate and up of output column n, and c is (num_pairs, N/2)."""
     # the op returns its refusal instead of throwing (no C++ exception leaves the library; csrc/moe_wna16_gemm.cu)

@@ -144,7 +144,7 @@ def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, 
                  M=1 always, M <= 4 at E=128 top8) BLOCK_SIZE_M=1: one pair per program,
                  no alignment launch, a GEMV without tl.dot.
       small M    (<= 16 tokens per expert) BLOCK_SIZE_M=16 tl.dot tiles.
-      larger M   32 / 64 row tiles with grouped ordering, BLOCK_SIZE_K 128 / 64.
+      larger M   32 / 64 row tiles with grouped ordering, BLOCK_SIZE_K 64.
     BLOCK_SIZE_N shrinks from 128 (64 per pair) until the grid has >= 2 programs per SM;
     if it is still short and K has >= 8 tiles, SPLIT_K (2 or 4) fills it.
     """
@@ -159,7 +159,9 @@ def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, 
         bm, bk_wish, group_m, warps, stages, bn = 16, 256, 1, 4, 4, 128
         m_blocks = hit
     elif tokens_per_expert <= 64:
-        bm, bk_wish, group_m, warps, stages, bn = 32, 128, 8, 4, 4, 128
+        # the H200 tuner's choice at 24-64 tokens per expert on five GEMM shapes (M=256 entries);
+        # the former 32x128x128 took 1.7-2.5x as long there (bench/results/h200/2026-12-03-15324db-*)
+        bm, bk_wish, group_m, warps, stages, bn = 32, 64, 8, 4, 4, 64
         m_blocks = hit * -(-int(tokens_per_expert) // 32)
     else:
         bm, bk_wish, group_m, warps, stages, bn = 64, 64, 8, 8, 3, 128

@@ -14,6 +14,7 @@ Writes <out>/<date>-<commit>.md and .csv and prints the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import math
@@ -186,6 +187,20 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
     return backend, problem, state
 
 
+@contextlib.contextmanager
+def pair_step_math(math: str | None):
+    """plugin-triton-fold: the per-pair kernel's folded form (fused_moe.PAIR_STEP_MATH) while a call is
+    checked and captured; the CUDA graph keeps the kernel it captured."""
+    from vllm_wna16_plugin.kernels.triton import fused_moe
+
+    saved = fused_moe.PAIR_STEP_MATH
+    fused_moe.PAIR_STEP_MATH = math or saved
+    try:
+        yield
+    finally:
+        fused_moe.PAIR_STEP_MATH = saved
+
+
 def git_commit() -> str:
     """BENCH_COMMIT when set (the GPU machine's copy may carry a stale .git), else git's HEAD."""
     if os.environ.get("BENCH_COMMIT"):
@@ -285,7 +300,8 @@ def main() -> int:
                         if id(w) not in prepared:
                             prepared[id(w)] = plugin_backend(prov, xc, w, tic, s.gs)
                         backend, problem, state = prepared[id(w)]
-                        return backend.run(problem, state, xc, twc, tic)
+                        with pair_step_math("fold" if prov == "plugin-triton-fold" else None):
+                            return backend.run(problem, state, xc, twc, tic)
                     if dense:
                         return vllm.dense(xc, w.dense13, w.dense2, twc, tic)
                     return vllm.int4(prov, xc, w, twc, tic, s.gs)

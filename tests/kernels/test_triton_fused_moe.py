@@ -326,11 +326,22 @@ PER_PAIR_CASES = [
     pytest.param(2, 1344, 64, 4, 2, 4, 32, 32, False, FP16, Cfg(1, 64, 512), id="int4-wideK512-K1344-tail-fp16"),
     # int8 wide tiles split over K
     pytest.param(2, 2048, 64, 4, 2, 8, 64, 64, True, BF16, Cfg(1, 32, 512, SPLIT_K=2), id="int8-wideK512-split2"),
+    # int4 rows of 50 bytes are not 32-bit aligned: the folded step (32-bit words) gives way to the tile form
+    pytest.param(2, 100, 64, 4, 2, 4, -1, -1, True, BF16, Cfg(1, 32, 64), id="int4-channelwise-K100-unaligned-rows"),
 ]
 
 
+@pytest.fixture(params=["fold", "tile"])
+def pair_step_math(request, monkeypatch):
+    """Both ways the per-pair kernel multiplies a K step (fused_moe.PAIR_STEP_MATH)."""
+    monkeypatch.setattr(fused_moe, "PAIR_STEP_MATH", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("M,H,inter,E,top_k,bits,gs1,gs2,zp,dtype,config", PER_PAIR_CASES)
-def test_per_pair_kernel_matches_reference(M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, monkeypatch):
+def test_per_pair_kernel_matches_reference(
+    M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, pair_step_math, monkeypatch
+):
     # BLOCK_SIZE_M=1 needs no alignment at all: a failing align_fn proves it is never called
     def no_align(*args, **kwargs):
         raise AssertionError("per-pair GEMMs must not align")
@@ -366,7 +377,7 @@ def test_split_k_and_mixed_forms_match_reference(cfg1, cfg2):
 
 
 @pytest.mark.parametrize("use_td", [pytest.param(False, id="ptr"), pytest.param(True, id="td")])
-def test_per_pair_expert_map_and_td(use_td, td_decisions):
+def test_per_pair_expert_map_and_td(use_td, td_decisions, pair_step_math):
     # per pair, the expert_map lookup happens in the kernel: non-local pairs write zeros
     p = make_moe_problem(M=4, H=64, inter=32, E=4, top_k=3, bits=4, gs1=32, zp=True, num_global_experts=8, seed=22)
     expert_map = torch.full((8,), -1, dtype=torch.int64)
@@ -391,11 +402,16 @@ def test_per_pair_expert_map_and_td(use_td, td_decisions):
         pytest.param(8, False, -1, 64, 32, BF16, id="int8-channelwise"),
     ],
 )
-@pytest.mark.parametrize("bm", [pytest.param(1, id="pair"), pytest.param(16, id="dot")])
-def test_one_hot_probe_scale_vectors_every_group_size(bits, zp, gs, K, bk, dtype, bm):
+@pytest.mark.parametrize(
+    "bm,step_math",
+    [pytest.param(1, "fold", id="pair-fold"), pytest.param(1, "tile", id="pair-tile"), pytest.param(16, "", id="dot")],
+)
+def test_one_hot_probe_scale_vectors_every_group_size(bits, zp, gs, K, bk, dtype, bm, step_math, monkeypatch):
     # x = eye(K): output row k is column k of dequant(W_e) exactly, so each group's scale/zero
     # vector must land on its own K columns, for groups smaller, equal and larger than the tile
     E, N = 2, 32
+    if step_math:
+        monkeypatch.setattr(fused_moe, "PAIR_STEP_MATH", step_math)
     kw = quantized_experts(E, N, K, bits, gs, zp, dtype, torch.Generator().manual_seed(23))
     ids = torch.full((K, 1), 1, dtype=torch.int32)
     c = torch.full((K, N), float("nan"), dtype=dtype)
@@ -627,7 +643,8 @@ from vllm_wna16_plugin.kernels.triton import fused_moe
 sm, bits, td, gather, even_k, pair = (int(v) for v in sys.argv[1:7])
 kernel = fused_moe._fused_moe_wna16_pair_kernel if pair else fused_moe._fused_moe_wna16_kernel
 K, N, gs, bk = (2048, 1536, 32, 256) if even_k else (1344, 1536, 32, 128)
-bk = int(sys.argv[7]) if len(sys.argv) > 7 else bk  # a K tile wider than the default
+bk = int(sys.argv[7]) if len(sys.argv) > 7 and int(sys.argv[7]) else bk  # a K tile wider than the default
+fold = bool(int(sys.argv[8])) if len(sys.argv) > 8 else fused_moe.PAIR_STEP_MATH == "fold"
 ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8", topk_weights_ptr="*fp32",
             sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
             topk_ids_ptr="*i32", expert_map_ptr="*i32")
@@ -635,7 +652,7 @@ consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, grou
               NUM_GROUPS=K // gs, GROUPS=bk // gs, top_k=8, BITS=bits, HAS_ZP=True, MUL_ROUTED_WEIGHT=True,
               EVEN_K=bool(even_k), USE_TD=bool(td), USE_TD_GATHER=bool(gather), SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
               compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=bk,
-              GROUP_SIZE_M=1)
+              GROUP_SIZE_M=1, FOLD_SCALES=fold, REDUCE_EACH_STEP=fold or bk > fused_moe.PAIR_ACC_MAX_K)
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 divisible = ("stride_am", "stride_be", "stride_bn", "stride_cm", "stride_cs", "stride_se", "stride_ze", "stride_zn")
 sig, attrs = {}, {}
@@ -651,6 +668,7 @@ if "gather4" in ptx: tags.append("GATHER4")
 if re.search(r"cp[.]async[.]cg[.]shared[.]global[^;]*, 0x10", ptx): tags.append("CPASYNC16")
 if "ld.global.v4" in ptx or "CPASYNC16" in tags: tags.append("LDV4")  # 16-byte B loads, direct or async
 if re.search(r"mul(?:[.]rn)?[.]bf16", ptx): tags.append("BF16MATH")  # dequant in bf16, no f32 round trip
+tags.append("I2F=%d" % len(re.findall(r"cvt[.]rn[.]f32[.][us](?:8|16|32)", ptx)))  # int->float (quarter rate)
 # scale/zero loads per thread per K step: 16-bit scalar global loads, counted
 b16 = re.findall(r"ld[.]global(?:[.]nc)?(?:[.]L1::evict_[a-z_]+)?[.]b16", ptx)
 tags.append("B16LOADS=%d" % len(b16))
@@ -681,9 +699,9 @@ def _compile_for_gpu(*args) -> set[str]:
         # dot path: B by 16-byte cp.async into the pipeline stages, dequant in bf16 math
         pytest.param(90, 4, 0, 0, 1, 0, {"CPASYNC16", "BF16MATH"}, id="sm90-int4-pointer: 16-byte async B loads"),
         pytest.param(90, 4, 0, 0, 0, 0, {"CPASYNC16"}, id="sm90-int4-pointer-K1344-tail"),
-        # per-pair GEMV: 128-byte int4 rows as 16-byte vector loads
-        pytest.param(90, 4, 0, 0, 1, 1, {"LDV4", "BF16MATH"}, id="sm90-int4-per-pair: 16-byte vector B loads"),
-        pytest.param(90, 4, 0, 0, 0, 1, {"LDV4"}, id="sm90-int4-per-pair-K1344-tail"),
+        # per-pair GEMV: 128-byte int4 rows as 16-byte vector loads (the folded form is checked below)
+        pytest.param(90, 4, 0, 0, 1, 1, {"LDV4", "BF16MATH"}, id="sm90-int4-per-pair-tile: 16-byte vector B loads"),
+        pytest.param(90, 4, 0, 0, 0, 1, {"LDV4"}, id="sm90-int4-per-pair-tile-K1344-tail"),
         pytest.param(90, 4, 1, 0, 1, 0, {"TMA"}, id="sm90-int4-td-load"),
         pytest.param(90, 8, 1, 0, 1, 0, {"TMA"}, id="sm90-int8-td-load"),
         pytest.param(90, 4, 1, 0, 1, 1, {"TMA"}, id="sm90-int4-per-pair-td-load"),
@@ -692,7 +710,7 @@ def _compile_for_gpu(*args) -> set[str]:
 )
 def test_kernel_compiles_for_gpu_targets(sm, bits, td, gather, even_k, pair, want):
     # triton.compile with the wheel's ptxas: the GPU code paths build (TMA on sm90, gather4 on sm100)
-    tags = _compile_for_gpu(sm, bits, td, gather, even_k, pair)
+    tags = _compile_for_gpu(sm, bits, td, gather, even_k, pair, 0, 0)
     assert want <= tags, tags
     # scales and zeros: a (BLOCK_N, GROUPS) vector per K step, not one load per B element
     # (64 x 256 elements per tile over 128 threads would be 128 scalar loads per thread)
@@ -705,6 +723,19 @@ def test_kernel_compiles_for_gpu_targets(sm, bits, td, gather, even_k, pair, wan
 def test_wide_k_per_pair_kernel_compiles_for_sm90(even_k):
     # BLOCK_SIZE_K = 1024 (512-byte int4 rows per step, reduced every step) still loads B as
     # 16-byte vectors with a (BLOCK_N, GROUPS) scale vector per step
-    tags = _compile_for_gpu(90, 4, 0, 0, even_k, 1, 1024)
+    tags = _compile_for_gpu(90, 4, 0, 0, even_k, 1, 1024, 0)
     assert "LDV4" in tags, tags
     assert int(next(t for t in tags if t.startswith("B16LOADS=")).split("=")[1]) <= 64, tags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("even_k", [1, 0])
+def test_folded_per_pair_kernel_compiles_for_sm90_without_int_to_float_converts(bits, even_k):
+    # the folded GEMV step turns the weights into float32 by the magic-number OR, not by cvt (a
+    # quarter-rate instruction): the few converts left are the zero points, one per (row, group)
+    # value a thread holds (64 x 8 over 128 threads at gs32), not its 128+ weights per step
+    tags = _compile_for_gpu(90, bits, 0, 0, even_k, 1, 0, 1)
+    count = {t.split("=")[0]: int(t.split("=")[1]) for t in tags if "=" in t}
+    assert "LDV4" in tags and count["I2F"] <= 8, tags
+    assert count["B16LOADS"] <= 16, tags

@@ -93,3 +93,78 @@ def _dequant_b_tile(
             w3 = (q3 - zc[:, :, None]) * sc[:, :, None]
             w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
         return w
+
+
+@triton.jit
+def _group_fold(dot, a_sum, scale, zero, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, WIDTH: tl.constexpr):
+    """sum_g scale[n, g] * (dot[n, g] - zero[n, g] * a_sum[g]) as (BLOCK_N,) float32.
+
+    dot: (BLOCK_N, WIDTH) products, WIDTH // GROUPS consecutive columns per scale group; a_sum:
+    (WIDTH,) the matching sums of A. `zero` here includes any offset the integers carry."""
+    if GROUPS == 1:
+        d = tl.sum(dot, axis=1)
+        return tl.reshape(scale, (BLOCK_N,)) * (d - tl.reshape(zero, (BLOCK_N,)) * tl.sum(a_sum, axis=0))
+    d = tl.sum(tl.reshape(dot, (BLOCK_N, GROUPS, WIDTH // GROUPS)), axis=2)
+    group_a = tl.sum(tl.reshape(a_sum, (GROUPS, WIDTH // GROUPS)), axis=1)
+    return tl.sum(scale * (d - zero * group_a[None, :]), axis=1)
+
+
+@triton.jit
+def _bf16_halves_to_f32(t):
+    """uint32 holding two bf16 (low half, high half) -> the two values as float32 (one shift, one and)."""
+    return (t << 16).to(tl.float32, bitcast=True), (t & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _folded_dot_step(
+    b,  # int4: (BLOCK_N, BLOCK_K // 8) uint32 words, 8 values each; int8: (BLOCK_N, BLOCK_K) uint8
+    a,  # (BLOCK_K,) float32: the A row over the same K step (0 past K)
+    scale,  # (BLOCK_N, GROUPS) float32 (0 for groups past K)
+    zero,  # (BLOCK_N, GROUPS) float32
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BITS: tl.constexpr,
+):
+    """sum_k a[k] * (q[n, k] - zero[n, g(k)]) * scale[n, g(k)] over one K step, as (BLOCK_N,) float32.
+
+    The GEMV form of a step (the per-pair kernel), built to issue few instructions per weight: a decode
+    GEMV that dequantizes tile by tile issues about 7.5 per weight and lane (bench/sass_cost.py), which
+    can cost more time than the weight bytes. Scale and zero leave the K sum, per group:
+    scale * (sum_k a*q' - zero' * sum_k a).
+    int4: a 32-bit word holds k = 8i .. 8i+7, value k = 8i + j in bits 4j .. 4j+3 (packing.py: low
+    nibble first). `((w >> 4s) & 0x000F000F) | 0x43004300` is two bf16 at once, 128 + q for k = 8i + s
+    (low half) and k = 8i + 4 + s (high half), s = 0..3; a shift or an and widens each to float32; then
+    one multiply-add per weight. q' = 128 + q, so zero' = 128 + zero.
+    int8: bytes to float32 through the magic 2**23 + q, then subtracted (exact); zero' = zero.
+    The sums are float32 throughout; no weight is rounded to bf16. The correction is applied per K
+    step, so the cancellation in q' * a stays within BLOCK_K terms."""
+    if BITS == 4:
+        WORDS: tl.constexpr = BLOCK_K // 8
+        # a[8i + 4h + 2*s1 + s0] as a[i, h, s1, s0], split into the 8 vectors a_{h,s} over i
+        a_s0 = tl.reshape(a, (WORDS, 2, 2, 2))
+        a_even_s0, a_odd_s0 = tl.split(a_s0)  # s0 = 0, 1: (WORDS, 2, 2) over (i, h, s1)
+        a_s0s1_00, a_s0s1_01 = tl.split(a_even_s0)  # (s0=0, s1=0), (s0=0, s1=1): (WORDS, 2) over (i, h)
+        a_s0s1_10, a_s0s1_11 = tl.split(a_odd_s0)
+        a_lo0, a_hi0 = tl.split(a_s0s1_00)  # s = 0: k = 8i, 8i + 4
+        a_lo2, a_hi2 = tl.split(a_s0s1_01)  # s = 2: k = 8i + 2, 8i + 6
+        a_lo1, a_hi1 = tl.split(a_s0s1_10)  # s = 1
+        a_lo3, a_hi3 = tl.split(a_s0s1_11)  # s = 3
+        lo0, hi0 = _bf16_halves_to_f32((b & 0x000F000F) | 0x43004300)
+        lo1, hi1 = _bf16_halves_to_f32(((b >> 4) & 0x000F000F) | 0x43004300)
+        lo2, hi2 = _bf16_halves_to_f32(((b >> 8) & 0x000F000F) | 0x43004300)
+        lo3, hi3 = _bf16_halves_to_f32(((b >> 12) & 0x000F000F) | 0x43004300)
+        # one chain, so that each weight is one fused multiply-add
+        dot = lo0 * a_lo0[None, :]
+        dot += hi0 * a_hi0[None, :]
+        dot += lo1 * a_lo1[None, :]
+        dot += hi1 * a_hi1[None, :]
+        dot += lo2 * a_lo2[None, :]
+        dot += hi2 * a_hi2[None, :]
+        dot += lo3 * a_lo3[None, :]
+        dot += hi3 * a_hi3[None, :]
+        a_sum = tl.sum(tl.reshape(a, (WORDS, 8)), axis=1)
+        return _group_fold(dot, a_sum, scale, zero + 128.0, BLOCK_N, GROUPS, WORDS)
+    else:
+        q = (b.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        return _group_fold(q * a[None, :], a, scale, zero, BLOCK_N, GROUPS, BLOCK_K)

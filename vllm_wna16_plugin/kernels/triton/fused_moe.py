@@ -36,12 +36,24 @@ import triton.language as tl
 from vllm_wna16_plugin.kernels.align import moe_align_block_size_torch
 from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton, moe_sum_triton
 from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig, get_triton_moe_config
-from vllm_wna16_plugin.kernels.triton.dequant import _dequant_b_tile, _round_to, _unpack_b_tile, _unpack_zero_points
+from vllm_wna16_plugin.kernels.triton.dequant import (
+    _dequant_b_tile,
+    _folded_dot_step,
+    _round_to,
+    _unpack_b_tile,
+    _unpack_zero_points,
+)
 from vllm_wna16_plugin.kernels.triton.td_gate import TDDecision, decide_td, td_request_from_env
 
 ACTIVATIONS = ("silu", "gelu")
 # The per-pair kernel's widest K tile that keeps a (BLOCK_N, BLOCK_K) accumulator; wider tiles reduce each step.
-PAIR_ACC_MAX_K: tl.constexpr = tl.constexpr(256)
+PAIR_ACC_MAX_K = 256
+# How the per-pair (GEMV) kernel multiplies a K step: "tile" (dequantize the tile to the compute
+# dtype, as the tl.dot kernel must, then multiply-add in float32) or "fold" (dequant._folded_dot_step:
+# float32 multiply-adds of the raw integers, scale and zero applied per group; 36% fewer instructions
+# per weight in the sm90 SASS, bench/sass_cost.py). Both are tested. "tile" stays the default until
+# the H200 benchmark measures "fold" (provider plugin-triton-fold) side by side.
+PAIR_STEP_MATH = "tile"
 _COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AlignFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -73,11 +85,12 @@ def _load_b_tile(
     BLOCK_KB: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_TD: tl.constexpr,
+    ELEM_BITS: tl.constexpr,  # 8: b_ptr / b_desc over bytes; 32: over 32-bit words (KB, BLOCK_KB, strides in words)
 ):
-    """(BLOCK_N, BLOCK_KB) packed bytes of B for K offset k0: each row one contiguous run of
+    """(BLOCK_N, BLOCK_KB) packed elements of B for K offset k0: each row one contiguous run of
     BLOCK_K*BITS/8 bytes (16-byte vectors / cp.async per thread), by pointer or through the
     3-D descriptor (whose reads past K are zero-filled)."""
-    kb0 = k0 * BITS // 8
+    kb0 = k0 * BITS // ELEM_BITS
     if USE_TD:
         return tl.reshape(b_desc.load([expert.to(tl.int32), n0, kb0]), (BLOCK_N, BLOCK_KB))
     else:
@@ -170,7 +183,7 @@ def _dequant_k_step(
     BLOCK_KB: tl.constexpr = BLOCK_K * BITS // 8
     packed = _load_b_tile(
         b_ptr, b_desc, expert, offs_n, offs_kb, n0, k0, K * BITS // 8, stride_be, stride_bn,
-        BITS, BLOCK_N, BLOCK_KB, EVEN_K, USE_TD,
+        BITS, BLOCK_N, BLOCK_KB, EVEN_K, USE_TD, 8,
     )  # fmt: skip
     q = _unpack_b_tile(packed, BITS)
     scale, zero = _load_group_params(
@@ -356,6 +369,12 @@ def _fused_moe_wna16_pair_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # the loop's software pipeline depth (Triton pipelines non-dot loads only when asked)
+    FOLD_SCALES: tl.constexpr,  # dequant.py's _folded_dot_step; else dequantize the tile (PAIR_STEP_MATH)
+    # The tile form accumulates (BLOCK_N, BLOCK_K) float32 products elementwise and reduces along K once,
+    # after the loop, up to BLOCK_SIZE_K = PAIR_ACC_MAX_K. Wider K tiles (longer contiguous runs of each
+    # weight row per step) would not fit that accumulator in registers: they, and the folded form, reduce
+    # every step.
+    REDUCE_EACH_STEP: tl.constexpr,
 ):
     """The decode form (BLOCK_SIZE_M == 1): C[p] as in _fused_moe_wna16_kernel, one routed pair p per program.
 
@@ -384,14 +403,18 @@ def _fused_moe_wna16_pair_kernel(
     offs_kb = tl.arange(0, BLOCK_KB)
     a_row_ptr = a_ptr + (pair // top_k) * stride_am
     b_desc = None
+    b_words = b_ptr.to(tl.pointer_type(tl.uint32))  # int4 B as 32-bit words (folded step; rows are 4-byte aligned)
+    offs_kw = tl.arange(0, BLOCK_KB // 4)
     if USE_TD:
-        b_desc = tl.make_tensor_descriptor(
-            b_ptr, shape=[E, N, KB], strides=[stride_be, stride_bn, 1], block_shape=[1, BLOCK_SIZE_N, BLOCK_KB]
-        )
-    # Up to BLOCK_SIZE_K = 256 the (BLOCK_N, BLOCK_K) float32 products accumulate elementwise and
-    # are reduced along K once, after the loop. Wider K tiles (longer contiguous runs of each
-    # weight row per step) would not fit that accumulator in registers: they reduce every step.
-    REDUCE_EACH_STEP: tl.constexpr = BLOCK_SIZE_K > PAIR_ACC_MAX_K
+        if FOLD_SCALES and BITS == 4:
+            b_desc = tl.make_tensor_descriptor(
+                b_words, shape=[E, N, KB // 4], strides=[stride_be // 4, stride_bn // 4, 1],
+                block_shape=[1, BLOCK_SIZE_N, BLOCK_KB // 4],
+            )  # fmt: skip
+        else:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[E, N, KB], strides=[stride_be, stride_bn, 1], block_shape=[1, BLOCK_SIZE_N, BLOCK_KB]
+            )
     if REDUCE_EACH_STEP:
         acc = tl.zeros((BLOCK_SIZE_N,), dtype=tl.float32)
     else:
@@ -402,16 +425,33 @@ def _fused_moe_wna16_pair_kernel(
             a = tl.load(a_row_ptr + k0 + offs_k)
         else:
             a = tl.load(a_row_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
-        w = _dequant_k_step(
-            b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0,
-            stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
-            K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
-            BLOCK_SIZE_N, BLOCK_SIZE_K,
-        )  # fmt: skip
-        if REDUCE_EACH_STEP:
-            acc += tl.sum(a.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
+        if FOLD_SCALES:
+            if BITS == 4:  # 32-bit words of 8 values (the folded step's unpack works on words)
+                packed = _load_b_tile(
+                    b_words, b_desc, expert, offs_n, offs_kw, pid_n * BLOCK_SIZE_N, k0, KB // 4,
+                    stride_be // 4, stride_bn // 4, BITS, BLOCK_SIZE_N, BLOCK_KB // 4, EVEN_K, USE_TD, 32,
+                )  # fmt: skip
+            else:
+                packed = _load_b_tile(
+                    b_ptr, b_desc, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0, KB, stride_be, stride_bn,
+                    BITS, BLOCK_SIZE_N, BLOCK_KB, EVEN_K, USE_TD, 8,
+                )  # fmt: skip
+            scale, zero = _load_group_params(
+                s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
+                stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
+            )  # fmt: skip
+            acc += _folded_dot_step(packed, a.to(tl.float32), scale, zero, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUPS, BITS)
         else:
-            acc += a.to(tl.float32)[None, :] * w.to(tl.float32)
+            w = _dequant_k_step(
+                b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0,
+                stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+                K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
+                BLOCK_SIZE_N, BLOCK_SIZE_K,
+            )  # fmt: skip
+            if REDUCE_EACH_STEP:
+                acc += tl.sum(a.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
+            else:
+                acc += a.to(tl.float32)[None, :] * w.to(tl.float32)
     if REDUCE_EACH_STEP:
         out = acc
     else:
@@ -574,11 +614,16 @@ def invoke_wna16_gemm(
         if topk_ids is None or c3.stride(2) != 1:
             raise ValueError("BLOCK_SIZE_M=1 (per pair) needs topk_ids and a row-contiguous c")
         grid = (num_pairs, triton.cdiv(N, config.BLOCK_SIZE_N), split)
+        # the folded int4 step reads B as 32-bit words: every row must start on a word
+        words_ok = bits == 8 or (qweight.data_ptr() % 4 == 0 and all(x % 4 == 0 for x in qweight.stride()[:2]))
+        fold = PAIR_STEP_MATH == "fold" and words_ok
         _fused_moe_wna16_pair_kernel[grid](
             topk_ids_ptr=topk_ids,
             expert_map_ptr=expert_map if expert_map is not None else topk_ids,
             HAS_EXPERT_MAP=expert_map is not None,
             NUM_STAGES=config.num_stages,
+            FOLD_SCALES=fold,
+            REDUCE_EACH_STEP=fold or config.BLOCK_SIZE_K > PAIR_ACC_MAX_K,
             **common,
         )
         return c

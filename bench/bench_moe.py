@@ -187,18 +187,28 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
     return backend, problem, state
 
 
+# Providers that time a Triton kernel form not yet the default (fused_moe.PAIR_STEP_MATH, DOT_NIBBLES)
+TRITON_FORMS = {
+    "plugin-triton-fold": {"PAIR_STEP_MATH": "fold"},
+    "plugin-triton-split": {"DOT_NIBBLES": "split"},
+    "plugin-triton-lean": {"PAIR_STEP_MATH": "fold", "DOT_NIBBLES": "split"},
+}
+
+
 @contextlib.contextmanager
-def pair_step_math(math: str | None):
-    """plugin-triton-fold: the per-pair kernel's folded form (fused_moe.PAIR_STEP_MATH) while a call is
-    checked and captured; the CUDA graph keeps the kernel it captured."""
+def triton_form(prov: str):
+    """The kernel form of `prov` (TRITON_FORMS) while a call is checked and captured; the CUDA graph
+    keeps the kernels it captured."""
     from vllm_wna16_plugin.kernels.triton import fused_moe
 
-    saved = fused_moe.PAIR_STEP_MATH
-    fused_moe.PAIR_STEP_MATH = math or saved
+    saved = {name: getattr(fused_moe, name) for name in TRITON_FORMS.get(prov, {})}
+    for name, value in TRITON_FORMS.get(prov, {}).items():
+        setattr(fused_moe, name, value)
     try:
         yield
     finally:
-        fused_moe.PAIR_STEP_MATH = saved
+        for name, value in saved.items():
+            setattr(fused_moe, name, value)
 
 
 def git_commit() -> str:
@@ -300,7 +310,7 @@ def main() -> int:
                         if id(w) not in prepared:
                             prepared[id(w)] = plugin_backend(prov, xc, w, tic, s.gs)
                         backend, problem, state = prepared[id(w)]
-                        with pair_step_math("fold" if prov == "plugin-triton-fold" else None):
+                        with triton_form(prov):
                             return backend.run(problem, state, xc, twc, tic)
                     if dense:
                         return vllm.dense(xc, w.dense13, w.dense2, twc, tic)

@@ -40,6 +40,13 @@ PROVIDERS = {
     "vllm-moe_wna16": dict(quantization="moe_wna16", moe_backend="auto"),
     "vllm-default": dict(quantization=None, moe_backend="auto"),
 }
+# Without --torch-compile: no torch.compile (start-up in seconds, not minutes, so that the four
+# providers fit one GPU call), full CUDA graphs of every decode batch the workloads reach.
+EAGER_COMPILE_GRAPHS = {
+    "mode": 0,
+    "cudagraph_mode": "FULL_DECODE_ONLY",
+    "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64],
+}
 WORKLOADS = [  # (name, prompts, prompt tokens, output tokens)
     ("decode-bs1", 1, 32, 128),
     ("decode-bs8", 8, 32, 128),
@@ -58,10 +65,12 @@ def worker(spec_path: str, out_path: str) -> int:
     result = {"provider": spec["provider"], "workloads": {}}
     try:
         t0 = time.perf_counter()
+        compilation = None if spec.get("torch_compile") else EAGER_COMPILE_GRAPHS
         llm = LLM(model=spec["model"], tokenizer=spec["model"], quantization=spec["quantization"],
                   moe_backend=spec["moe_backend"], max_model_len=1024, max_num_seqs=64,
                   max_num_batched_tokens=8192, gpu_memory_utilization=0.5,
-                  attention_backend=spec.get("attention_backend") or None)  # fmt: skip
+                  attention_backend=spec.get("attention_backend") or None,
+                  compilation_config=compilation)  # fmt: skip
         result["startup_s"] = time.perf_counter() - t0
         rng = random.Random(0)
         vocab = spec["vocab"]
@@ -125,6 +134,10 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--attention-backend", default="TRITON_ATTN", help="'' = vLLM's choice")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per provider")
+    ap.add_argument("--torch-compile", action="store_true", help="vLLM's default compilation (slow start-up)")
+    ap.add_argument("--quantize-attention", action="store_true",
+                    help="quantize attention too (vLLM 0.26's in-tree moe_wna16 failed at load on such a GPTQ "
+                         "checkpoint: bench/results/h200/2026-12-03-11bb0e4-e2e-record.jsonl)")  # fmt: skip
     args = ap.parse_args()
     if args.worker:
         return worker(*args.worker)
@@ -137,16 +150,16 @@ def main() -> int:
     t0 = time.perf_counter()
     ckpt = make_checkpoint(work / "ck", fmt=args.fmt, bits=4, group_size=args.group_size, hidden=args.hidden,
                            intermediate=args.intermediate, experts=args.experts, top_k=args.top_k,
-                           layers=args.layers)  # fmt: skip
+                           layers=args.layers, quantize_attention=args.quantize_attention)  # fmt: skip
     print(f"checkpoint written in {time.perf_counter() - t0:.0f}s: {ckpt}", flush=True)
     vocab = load_spec(ckpt).resolved_vocab_size
     results = []
     for prov in args.providers.split(","):
         spec = dict(PROVIDERS[prov], provider=prov, model=str(ckpt), vocab=vocab,
-                    attention_backend=args.attention_backend)  # fmt: skip
+                    attention_backend=args.attention_backend, torch_compile=args.torch_compile)  # fmt: skip
         spec_path, out_path = work / f"{prov}.spec.json", work / f"{prov}.out.json"
         spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ, TRITON_INTERPRET="0")
+        env = dict(os.environ, TRITON_INTERPRET="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
         env.pop("VLLM_WNA16_PLUS_BACKEND", None)
         try:
             proc = subprocess.run([sys.executable, __file__, "--worker", str(spec_path), str(out_path)], env=env,
@@ -171,8 +184,10 @@ def main() -> int:
         f"# End-to-end offline throughput\n\n{datetime.date.today()} · {torch.cuda.get_device_name()} · "
         f"vLLM {vllm.__version__} · torch {torch.__version__} · commit {git_commit()}\n\n"
         f"Checkpoint: make_checkpoint {args.fmt} int4 gs{args.group_size}, E={args.experts}, top_k={args.top_k}, "
-        f"H={args.hidden}, I={args.intermediate}, {args.layers} layers, random weights. Greedy, ignore_eos, "
-        f"CUDA graphs; decode: B prompts x 32 tokens -> 128 tokens; prefill: 64 x 512 tokens -> 1."
+        f"H={args.hidden}, I={args.intermediate}, {args.layers} layers, random weights, attention "
+        f"{'int4' if args.quantize_attention else 'bf16'}. Greedy, ignore_eos, "
+        f"{'torch.compile + CUDA graphs' if args.torch_compile else 'no torch.compile, full CUDA graphs for decode'}; "
+        f"decode: B prompts x 32 tokens -> 128 tokens; prefill: 64 x 512 tokens -> 1."
     )
     table = render(results, header)
     out = Path(args.out)

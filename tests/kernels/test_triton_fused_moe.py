@@ -68,8 +68,17 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=["interleave", "split"])
+def dot_nibbles(request, monkeypatch):
+    """Both ways the tl.dot kernel feeds int4 to the dot (fused_moe.DOT_NIBBLES)."""
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("M,H,inter,E,top_k,bits,gs1,gs2,zp,dtype,config", CASES)
-def test_pointer_path_matches_reference(M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, td_decisions):
+def test_pointer_path_matches_reference(
+    M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, td_decisions, dot_nibbles
+):
     p = make_moe_problem(M=M, H=H, inter=inter, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype)
     out, ref = run_both(p, use_td=False, configs=config)
     assert_close_scaled(out, ref, dtype, "pointer path")
@@ -90,7 +99,7 @@ TD_CASES = [
 
 @pytest.mark.parametrize("M,H,inter,E,top_k,bits,gs1,gs2,zp,dtype,config", TD_CASES)
 def test_td_path_matches_reference_and_pointer_path(
-    M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, td_decisions
+    M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, td_decisions, dot_nibbles
 ):
     p = make_moe_problem(
         M=M, H=H, inter=inter, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype, seed=1
@@ -404,14 +413,18 @@ def test_per_pair_expert_map_and_td(use_td, td_decisions, pair_step_math):
 )
 @pytest.mark.parametrize(
     "bm,step_math",
-    [pytest.param(1, "fold", id="pair-fold"), pytest.param(1, "tile", id="pair-tile"), pytest.param(16, "", id="dot")],
+    [
+        pytest.param(1, "fold", id="pair-fold"),
+        pytest.param(1, "tile", id="pair-tile"),
+        pytest.param(16, "interleave", id="dot-interleave"),
+        pytest.param(16, "split", id="dot-split"),
+    ],
 )
 def test_one_hot_probe_scale_vectors_every_group_size(bits, zp, gs, K, bk, dtype, bm, step_math, monkeypatch):
     # x = eye(K): output row k is column k of dequant(W_e) exactly, so each group's scale/zero
     # vector must land on its own K columns, for groups smaller, equal and larger than the tile
     E, N = 2, 32
-    if step_math:
-        monkeypatch.setattr(fused_moe, "PAIR_STEP_MATH", step_math)
+    monkeypatch.setattr(fused_moe, "PAIR_STEP_MATH" if bm == 1 else "DOT_NIBBLES", step_math)
     kw = quantized_experts(E, N, K, bits, gs, zp, dtype, torch.Generator().manual_seed(23))
     ids = torch.full((K, 1), 1, dtype=torch.int32)
     c = torch.full((K, N), float("nan"), dtype=dtype)
@@ -644,7 +657,9 @@ sm, bits, td, gather, even_k, pair = (int(v) for v in sys.argv[1:7])
 kernel = fused_moe._fused_moe_wna16_pair_kernel if pair else fused_moe._fused_moe_wna16_kernel
 K, N, gs, bk = (2048, 1536, 32, 256) if even_k else (1344, 1536, 32, 128)
 bk = int(sys.argv[7]) if len(sys.argv) > 7 and int(sys.argv[7]) else bk  # a K tile wider than the default
-fold = bool(int(sys.argv[8])) if len(sys.argv) > 8 else fused_moe.PAIR_STEP_MATH == "fold"
+# the lean form of either kernel (per pair: the folded step; tl.dot: split nibbles), else the module default
+lean_default = fused_moe.PAIR_STEP_MATH == "fold" if pair else fused_moe.DOT_NIBBLES == "split"
+fold = bool(int(sys.argv[8])) if len(sys.argv) > 8 else lean_default
 ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8", topk_weights_ptr="*fp32",
             sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
             topk_ids_ptr="*i32", expert_map_ptr="*i32")
@@ -652,7 +667,8 @@ consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, grou
               NUM_GROUPS=K // gs, GROUPS=bk // gs, top_k=8, BITS=bits, HAS_ZP=True, MUL_ROUTED_WEIGHT=True,
               EVEN_K=bool(even_k), USE_TD=bool(td), USE_TD_GATHER=bool(gather), SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
               compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=bk,
-              GROUP_SIZE_M=1, FOLD_SCALES=fold, REDUCE_EACH_STEP=fold or bk > fused_moe.PAIR_ACC_MAX_K)
+              GROUP_SIZE_M=1, FOLD_SCALES=fold, REDUCE_EACH_STEP=fold or bk > fused_moe.PAIR_ACC_MAX_K,
+              SPLIT_NIBBLES=fold)
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 divisible = ("stride_am", "stride_be", "stride_bn", "stride_cm", "stride_cs", "stride_se", "stride_ze", "stride_zn")
 sig, attrs = {}, {}
@@ -726,6 +742,14 @@ def test_wide_k_per_pair_kernel_compiles_for_sm90(even_k):
     tags = _compile_for_gpu(90, 4, 0, 0, even_k, 1, 1024, 0)
     assert "LDV4" in tags, tags
     assert int(next(t for t in tags if t.startswith("B16LOADS=")).split("=")[1]) <= 64, tags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("even_k", [1, 0])
+def test_split_nibble_dot_kernel_compiles_for_sm90(even_k):
+    # two half-K dots per step (no interleave): still 16-byte async B loads into the pipeline
+    tags = _compile_for_gpu(90, 4, 0, 0, even_k, 0, 0, 1)
+    assert "CPASYNC16" in tags, tags
 
 
 @pytest.mark.slow

@@ -54,6 +54,10 @@ PAIR_ACC_MAX_K = 256
 # per weight in the sm90 SASS, bench/sass_cost.py). Both are tested. "tile" stays the default until
 # the H200 benchmark measures "fold" (provider plugin-triton-fold) side by side.
 PAIR_STEP_MATH = "tile"
+# How the tl.dot kernel feeds int4 to the tensor cores: "interleave" (one dot over the K tile, nibbles
+# interleaved back into k order) or "split" (two dots of half the K: low nibbles with A's even columns,
+# high nibbles with its odd ones; no interleave). Both are tested; bench provider plugin-triton-split.
+DOT_NIBBLES = "interleave"
 _COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AlignFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -249,6 +253,7 @@ def _fused_moe_wna16_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
+    SPLIT_NIBBLES: tl.constexpr,  # int4: two half-K dots instead of interleaving the nibbles (DOT_NIBBLES)
 ):
     """C[p, :] = (w_p if MUL_ROUTED_WEIGHT) * A[p // top_k] @ dequant(B[e_p]).T for routed pairs p.
 
@@ -312,16 +317,40 @@ def _fused_moe_wna16_kernel(
             a = a_desc.gather(a_rows32, k0)
         else:
             a = _load_a_tile_ptr(a_ptr, a_rows, pair_mask, offs_k, k0, K, stride_am, stride_ak, EVEN_K)
-        w = _dequant_k_step(
-            b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0,
-            stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
-            K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
-            BLOCK_SIZE_N, BLOCK_SIZE_K,
-        )  # fmt: skip
-        if INTERPRET_BF16:
-            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc=acc)
+        if SPLIT_NIBBLES:
+            # int4 without the interleave: low nibbles (even k) and high nibbles (odd k) each
+            # dequantize to a (BLOCK_N, BLOCK_K / 2) tile, and meet the even and odd columns of A in
+            # two dots of half the K. Both halves of a byte share its scale group.
+            packed = _load_b_tile(
+                b_ptr, b_desc, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0, KB, stride_be, stride_bn,
+                BITS, BLOCK_SIZE_N, BLOCK_KB, EVEN_K, USE_TD, 8,
+            )  # fmt: skip
+            scale, zero = _load_group_params(
+                s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
+                stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
+            )  # fmt: skip
+            w_even = _dequant_b_tile(packed & 0xF, scale, zero, BLOCK_SIZE_N, BLOCK_KB, GROUPS, BITS, compute_type,
+                                     INTERPRET_BF16)  # fmt: skip
+            w_odd = _dequant_b_tile(packed >> 4, scale, zero, BLOCK_SIZE_N, BLOCK_KB, GROUPS, BITS, compute_type,
+                                    INTERPRET_BF16)  # fmt: skip
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_SIZE_M, BLOCK_KB, 2)))
+            if INTERPRET_BF16:
+                acc = tl.dot(a_even.to(tl.float32), tl.trans(w_even.to(tl.float32)), acc=acc)
+                acc = tl.dot(a_odd.to(tl.float32), tl.trans(w_odd.to(tl.float32)), acc=acc)
+            else:
+                acc = tl.dot(a_even, tl.trans(w_even), acc=acc)
+                acc = tl.dot(a_odd, tl.trans(w_odd), acc=acc)
         else:
-            acc = tl.dot(a, tl.trans(w), acc=acc)
+            w = _dequant_k_step(
+                b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0,
+                stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+                K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
+                BLOCK_SIZE_N, BLOCK_SIZE_K,
+            )  # fmt: skip
+            if INTERPRET_BF16:
+                acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc=acc)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc=acc)
 
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)
@@ -640,6 +669,7 @@ def invoke_wna16_gemm(
         stride_ak=a.stride(1),
         stride_cn=c3.stride(2),
         EM_GRID=em_grid,
+        SPLIT_NIBBLES=bits == 4 and DOT_NIBBLES == "split" and config.BLOCK_SIZE_K >= 32,
         USE_TD_GATHER=td.use_gather,
         BLOCK_SIZE_M=bm,
         GROUP_SIZE_M=config.GROUP_SIZE_M,

@@ -86,7 +86,8 @@ std::string gemm_args_error(const at::Tensor& a, const at::Tensor& qweight, cons
                 kernel);
   const bool use_mma = kernel == "mma" || (kernel == "auto" && mma_kernel_fits(K, G, bits));
   WNA16_REQUIRE(!use_mma || mma_kernel_fits(K, G, bits), "the mma kernel needs 16-byte chunks of a weight row ",
-                "inside one scale group; K=", K, ", G=", G, ", int", bits, " does not give them");
+                "inside one scale group, a power-of-two number of them per group; K=", K, ", G=", G, ", int", bits,
+                " does not give them");
   // the mma kernel copies the 4-byte words that hold a scale or zero point
   WNA16_REQUIRE(!use_mma || (reinterpret_cast<uintptr_t>(scales.data_ptr()) % 4 == 0 &&
                              reinterpret_cast<uintptr_t>(z) % 4 == 0),

@@ -50,9 +50,13 @@ inline std::string launch_config_error(int64_t size_k, int64_t num_groups, int64
 }
 
 // The tensor-core kernel (moe_wna16_mma.cu) reads each weight row in whole 16-byte chunks that never
-// straddle a scale group; other legal shapes run on the CUDA-core kernel (moe_wna16_gemv.cu).
+// straddle a scale group, and finds a chunk's group with a shift: a group is a power-of-two number of
+// chunks (groups of 32/64/128 values) or the whole row (channel-wise). Other legal shapes run on the
+// CUDA-core kernel (moe_wna16_gemv.cu).
 inline bool mma_kernel_fits(int64_t size_k, int64_t num_groups, int64_t bits) {
-  return pick_vector_bytes(size_k, num_groups, bits) == 16;
+  if (pick_vector_bytes(size_k, num_groups, bits) != 16) return false;
+  const int64_t chunks_per_group = size_k * bits / 128 / num_groups;
+  return num_groups == 1 || (chunks_per_group & (chunks_per_group - 1)) == 0;
 }
 
 }  // namespace wna16_plus

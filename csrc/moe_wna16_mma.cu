@@ -133,9 +133,9 @@ struct RowStream {
   bool valid;
 
   __device__ __forceinline__ void issue(const GemmParams& p, const Ring& ring, int d, int r, int chunk, int chunks,
-                                        int group_size) const {
+                                        int group_shift) const {
     const bool live = valid && chunk < chunks;
-    const int g = live ? chunk * (128 / BITS) / group_size : 0;
+    const int g = live ? chunk >> group_shift : 0;
     const int slot = ring.slot(d, r);
     copy_async16(ring.w + slot, live ? w_row + static_cast<int64_t>(chunk) * 16 : p.qweight, live);
     const int64_t si = s_index + g;  // the aligned 4-byte word holding the scale
@@ -143,8 +143,8 @@ struct RowStream {
     if (z_index >= 0) copy_async4(ring.z + slot, p.qzeros + ((z_index + g) & ~int64_t{3}), live);
   }
 
-  __device__ __forceinline__ RowChunk read(const Ring& ring, int d, int r, int chunk, int group_size) const {
-    const int g = chunk * (128 / BITS) / group_size;
+  __device__ __forceinline__ RowChunk read(const Ring& ring, int d, int r, int chunk, int group_shift) const {
+    const int g = chunk >> group_shift;
     const int slot = ring.slot(d, r);
     RowChunk out;
     out.w = ring.w[slot];
@@ -225,7 +225,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
   const int tile_slot = warp % tiles_par, kslice = warp / tiles_par;
   const int chunks = p.K * BITS / 128;  // 16-byte chunks per weight row
   const int steps = (chunks + 3) / 4;
-  const int group_size = p.K / p.num_groups;
+  // the scale group of chunk c is c >> group_shift: launch_rules.h admits this kernel only where a group
+  // is a power-of-two number of chunks (32/64/128 values) or the whole row (channel-wise). An integer
+  // division by the runtime group size cost about ten instructions, twice per step, in the K loop.
+  const int group_shift = p.num_groups == 1 ? 30 : __ffs(chunks / p.num_groups) - 1;
   const int64_t row_bytes = static_cast<int64_t>(p.K) * BITS / 8;
   const T* a = static_cast<const T*>(p.a);
   T* c = static_cast<T*>(p.c);
@@ -269,17 +272,20 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
         }
         // this warp's steps: kslice, kslice + ksplit, ...; kStages - 1 of them in flight
         const int my_steps = kslice < steps ? (steps - kslice + ksplit - 1) / ksplit : 0;
-        auto issue_step = [&](int i) {
+        auto issue_step = [&](int i, int stage) {
           if (i < my_steps) {
             const int chunk = (kslice + i * ksplit) * 4 + q;
 #pragma unroll
-            for (int r = 0; r < 2; ++r) rows[r].issue(p, ring, i % kStages, r, chunk, chunks, group_size);
+            for (int r = 0; r < 2; ++r) rows[r].issue(p, ring, stage, r, chunk, chunks, group_shift);
           }
           commit_copies();  // one group per step, empty past the end: the wait count stays exact
         };
 #pragma unroll
-        for (int i = 0; i < kStages - 1; ++i) issue_step(i);
+        for (int i = 0; i < kStages - 1; ++i) issue_step(i, i);
 
+        // ring stages of step i (read) and of step i + kStages - 1 (issued): i % kStages, kept as
+        // running counters (kStages = 6 made each % a multiply-high sequence in the loop)
+        int read_stage = 0, issue_stage = kStages - 1;
         for (int i = 0; i < my_steps; ++i) {
           const int chunk = (kslice + i * ksplit) * 4 + q;
           // B: this lane's token's 16-byte activation vectors of the chunk (zeros past K or for no token)
@@ -293,9 +299,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
                              ? __ldg(reinterpret_cast<const uint4*>(a_row[tt] + chunk * kChunkVals) + v)
                              : make_uint4(0, 0, 0, 0);
           wait_copies<kStages - 2>();  // step i has landed
-          const RowChunk lo = rows[0].read(ring, i % kStages, 0, chunk, group_size);
-          const RowChunk hi = rows[1].read(ring, i % kStages, 1, chunk, group_size);
-          issue_step(i + kStages - 1);  // into the slot read one step ago
+          const RowChunk lo = rows[0].read(ring, read_stage, 0, chunk, group_shift);
+          const RowChunk hi = rows[1].read(ring, read_stage, 1, chunk, group_shift);
+          issue_step(i + kStages - 1, issue_stage);  // into the slot read one step ago
+          read_stage = read_stage == kStages - 1 ? 0 : read_stage + 1;
+          issue_stage = issue_stage == kStages - 1 ? 0 : issue_stage + 1;
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             if constexpr (BITS == 4) {

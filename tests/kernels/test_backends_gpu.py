@@ -30,13 +30,21 @@ CASES = [
     pytest.param(1024, 512, 8, 2, 8, 128, False, id="int8-gs128"),
     pytest.param(1024, 512, 8, 2, 8, -1, True, id="int8-channelwise-zp"),
 ]
-BACKENDS = ["triton", "triton-td", "cuda", "vllm_cuda", "marlin"]
+# triton-lean: the Triton kernel's leaner forms, not yet the defaults (fused_moe.PAIR_STEP_MATH = "fold",
+# DOT_NIBBLES = "split"), on the GPU's own bf16 arithmetic
+BACKENDS = ["triton", "triton-td", "triton-lean", "cuda", "vllm_cuda", "marlin"]
 
 
 @pytest.mark.parametrize("M", [1, 33, 300])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("H, I, E, top_k, bits, gs, zp", CASES)
-def test_gpu_backend_matches_reference(H, I, E, top_k, bits, gs, zp, backend, M):
+def test_gpu_backend_matches_reference(H, I, E, top_k, bits, gs, zp, backend, M, monkeypatch):
+    if backend == "triton-lean":
+        from vllm_wna16_plugin.kernels.triton import fused_moe
+
+        monkeypatch.setattr(fused_moe, "PAIR_STEP_MATH", "fold")
+        monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "split")
+        backend = "triton"
     p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=bits, gs1=gs, zp=zp, seed=M + E)
     cuda = lambda t: None if t is None else t.cuda()  # noqa: E731
     args = [cuda(t) for t in p.args()]
@@ -70,7 +78,8 @@ def assert_backend_matches(backend: str, out: torch.Tensor, ref: torch.Tensor, w
     assert_close_scaled(out, ref, torch.bfloat16, what)
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda", "vllm_cuda"])
+# reference: `--moe-backend emulation` is captured too (vLLM captures decode steps); its capture-safe form
+@pytest.mark.parametrize("backend", ["triton", "cuda", "vllm_cuda", "reference"])
 def test_gpu_backend_captures_in_cuda_graph(backend):
     p = make_moe_problem(M=4, H=2048, I=512, E=32, top_k=8, bits=4, gs1=32, seed=11)
     args = [t.cuda() for t in p.args()]

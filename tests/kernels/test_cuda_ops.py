@@ -101,6 +101,24 @@ def _problem(platform="cuda", sm=90, gs=32, bits=4, H=2048, I=512, explicit=Fals
     return dataclasses.replace(p, platform=platform, sm=sm, extra={"explicit": explicit, "plan_only": plan_only})
 
 
+@needs_extension
+@pytest.mark.parametrize(
+    "K,G,bits,fits",
+    [
+        pytest.param(2048, 16, 4, True, id="gs128-int4: 4 chunks per group"),
+        pytest.param(2048, 64, 4, True, id="gs32-int4: 1 chunk"),
+        pytest.param(2048, 64, 8, True, id="gs32-int8: 2 chunks"),
+        pytest.param(1344, 1, 4, True, id="channelwise-K1344: 42 chunks, one group"),
+        pytest.param(2304, 24, 4, False, id="gs96-int4: 3 chunks, not a power of two"),
+        pytest.param(176, 1, 4, False, id="K176: 5.5 chunks"),
+        pytest.param(2048, 128, 4, False, id="gs16-int4: chunks straddle groups"),
+    ],
+)
+def test_mma_kernel_takes_power_of_two_chunks_per_group(K, G, bits, fits):
+    # the mma kernel finds a chunk's scale group by a shift; other shapes go to the gemv kernel
+    assert torch.ops.wna16_plus.mma_kernel_fits(K, G, bits) is fits
+
+
 def test_cuda_backend_rules():
     cuda = registry()["cuda"]
     assert cuda.incompatibility_reason(_problem(explicit=True)) is None
@@ -163,7 +181,7 @@ BAD_GEMM_ARGS = {  # name -> (change to the valid arguments, what the refusal mu
     "qweight odd offset": (lambda k: dict(qweight=_misaligned(k["qweight"], 3)), r"qweight must start on a 16-byte boundary"),
     "scales odd offset, mma": (lambda k: dict(scales=_misaligned(k["scales"], 1)), r"scales and qzeros must start on 4-byte boundaries"),
     "gelu on gemv": (lambda k: dict(activation="gelu", kernel="gemv", c=k["c"][:, :32].contiguous()), r"activation=gelu is fused only in the mma kernel \(K=256, G=8, int4, kernel=gemv\)"),
-    "mma where chunks straddle": (lambda k: dict(kernel="mma", a=torch.zeros(3, 176).bfloat16(), qweight=torch.zeros(4, 64, 88, dtype=torch.uint8), scales=torch.zeros(4, 64, 1).bfloat16(), qzeros=None, block_size_k=176), r"the mma kernel needs 16-byte chunks of a weight row inside one scale group; K=176, G=1, int4"),
+    "mma where chunks straddle": (lambda k: dict(kernel="mma", a=torch.zeros(3, 176).bfloat16(), qweight=torch.zeros(4, 64, 88, dtype=torch.uint8), scales=torch.zeros(4, 64, 1).bfloat16(), qzeros=None, block_size_k=176), r"the mma kernel needs 16-byte chunks of a weight row inside one scale group, a power-of-two number of them per group; K=176, G=1, int4"),
 }  # fmt: skip
 
 

@@ -335,6 +335,8 @@ PER_PAIR_CASES = [
     pytest.param(2, 1344, 64, 4, 2, 4, 32, 32, False, FP16, Cfg(1, 64, 512), id="int4-wideK512-K1344-tail-fp16"),
     # int8 wide tiles split over K
     pytest.param(2, 2048, 64, 4, 2, 8, 64, 64, True, BF16, Cfg(1, 32, 512, SPLIT_K=2), id="int8-wideK512-split2"),
+    # int4 split over K (float32 partials) across a K tail, zero points: the folded step's words per slice
+    pytest.param(2, 1344, 64, 4, 2, 4, 32, 32, True, BF16, Cfg(1, 32, 128, SPLIT_K=4), id="int4-gs32-K1344-split4"),
     # int4 rows of 50 bytes are not 32-bit aligned: the folded step (32-bit words) gives way to the tile form
     pytest.param(2, 100, 64, 4, 2, 4, -1, -1, True, BF16, Cfg(1, 32, 64), id="int4-channelwise-K100-unaligned-rows"),
 ]

@@ -187,11 +187,10 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
     return backend, problem, state
 
 
-# Providers that time a Triton kernel form not yet the default (fused_moe.PAIR_STEP_MATH, DOT_NIBBLES)
+# Providers that time a Triton kernel form other than the default (fused_moe.PAIR_STEP_MATH, DOT_NIBBLES):
+# the dequantize-the-tile GEMV and the interleaved int4 dot, the defaults before 2026-12-03's measurement
 TRITON_FORMS = {
-    "plugin-triton-fold": {"PAIR_STEP_MATH": "fold"},
-    "plugin-triton-split": {"DOT_NIBBLES": "split"},
-    "plugin-triton-lean": {"PAIR_STEP_MATH": "fold", "DOT_NIBBLES": "split"},
+    "plugin-triton-tile": {"PAIR_STEP_MATH": "tile", "DOT_NIBBLES": "interleave"},
 }
 
 

@@ -23,11 +23,14 @@ import torch
 
 RUNNER = Path(__file__).with_name("llm_runner.py")
 PROMPTS = ["The capital of France is", "Water is made of hydrogen and", "1 2 3 4 5"]
-# Greedy decoding of random weights: bf16 accumulation order may flip a near-tie late in the
-# sequence. The first AGREE_MIN tokens must agree, and the first token's top log-probs must
-# agree within FIRST_LOGPROB_ATOL.
-AGREE_MIN = 8
-FIRST_LOGPROB_ATOL = 0.1
+# Greedy decoding of random weights: bf16 accumulation order may flip a near-tie. A run generates
+# like the reference when, at every step up to and including its first divergence, the top
+# log-probs both runs list differ by at most LOGPROB_ATOL and, at the divergence, each run's token is
+# among the other's top log-probs (so the flip is a near-tie: its margin is at most 2 * LOGPROB_ATOL).
+# 0.5 nats: vLLM's own GPTQ-Marlin differed from the float32 reference by 0.118 at the first token of
+# gptq-int8 (H200, 09163a5); the expert-rotation control (test_llm_generate) must exceed it.
+LOGPROB_ATOL = 0.5
+AGREE_MIN = 8  # the serve test: tokens that must agree with offline greedy, same backend, other batch
 
 
 def free_port() -> int:
@@ -170,17 +173,58 @@ def agreed_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def assert_generates_like(got: Run, ref: Run, what: str) -> None:
-    """Greedy tokens agree with the reference run's for AGREE_MIN tokens (all, if shorter), and the
-    first token's top log-probs, over the tokens both runs list, agree within FIRST_LOGPROB_ATOL."""
-    for i, (r, g) in enumerate(zip(ref.result["tokens"], got.result["tokens"], strict=True)):
-        need = min(AGREE_MIN, len(r))
-        assert agreed_prefix(r, g) >= need, f"{what}: prompt {i} diverges early: {g} vs reference {r}"
-    for i, (r, g) in enumerate(zip(ref.result["first_logprobs"], got.result["first_logprobs"], strict=True)):
-        common = set(r) & set(g)
-        assert common, f"{what}: prompt {i}: no common top token in the first step"
-        worst = max(abs(r[t] - g[t]) for t in common)
-        assert worst <= FIRST_LOGPROB_ATOL, f"{what}: prompt {i}: first-token logprobs differ by {worst:.3g}"
+def generation_disagreement(got: dict, ref: dict) -> tuple[str | None, float]:
+    """Why `got` (an llm_runner result) does not generate like `ref`, or None; and the largest log-prob
+    difference seen on the compared steps (LOGPROB_ATOL's contract above)."""
+    worst = 0.0
+    for i, (r, g) in enumerate(zip(ref["tokens"], got["tokens"], strict=True)):
+        rl, gl = ref["step_logprobs"][i], got["step_logprobs"][i]
+        d = agreed_prefix(r, g)
+        if d == min(len(r), len(g)) and len(r) != len(g):
+            return f"prompt {i}: one run stopped at step {d}: {g} vs reference {r}", worst
+        for step in range(min(d + 1, len(r))):  # the agreed steps share a prefix; so does the divergence
+            common = set(rl[step]) & set(gl[step])
+            if not common:
+                return f"prompt {i} step {step}: no common top token", worst
+            diff = max(abs(rl[step][t] - gl[step][t]) for t in common)
+            worst = max(worst, diff)
+            if diff > LOGPROB_ATOL:
+                return f"prompt {i} step {step}: top log-probs differ by {diff:.3g} > {LOGPROB_ATOL}", worst
+        if d < len(r):
+            mine, theirs = str(g[d]), str(r[d])
+            if mine not in rl[d] or theirs not in gl[d]:
+                return (f"prompt {i} diverges at step {d} ({g} vs reference {r}) and not on a near-tie: "
+                        f"each run's token is not among the other's top log-probs"), worst  # fmt: skip
+    return None, worst
+
+
+def assert_generates_like(got: Run, ref: Run, what: str) -> float:
+    """generation_disagreement is None; returns the largest log-prob difference (for the record)."""
+    why, worst = generation_disagreement(got.result, ref.result)
+    assert why is None, f"{what}: {why}"
+    return worst
+
+
+def rotate_experts(src: Path, dst: Path) -> Path:
+    """A copy of checkpoint `src` whose expert e holds expert e+1's tensors (mod E), in every layer:
+    a loader bug of the kind that swaps experts, which the agreement check must catch."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        pattern = re.compile(r"^(.*\.experts\.)(\d+)(\..*)$")
+        ids = {int(m.group(2)) for k in tensors if (m := pattern.match(k))}
+        if ids:
+            rotated = {}
+            for k, v in tensors.items():
+                m = pattern.match(k)
+                rotated[f"{m.group(1)}{(int(m.group(2)) - 1) % len(ids)}{m.group(3)}" if m else k] = v
+            save_file(rotated, f, metadata={"format": "pt"})
+    return dst
 
 
 requires_gpu = pytest.mark.skipif(gpus() == 0, reason="needs a CUDA GPU")

@@ -5,7 +5,8 @@
 SPEC: {"model": path, "quantization": "moe_wna16_plus" | "moe_wna16" | ..., "prompts": [...],
        "max_tokens": 16, "eager": false, "moe_backend": "auto", "tp": 1, "logprobs": 5}
 The plugin backend, if any, comes from VLLM_WNA16_PLUS_BACKEND in the environment.
-OUT: {"ok": true, "tokens": [[...]], "text": [...], "first_logprobs": [{token: logprob}], "seconds": s}
+OUT: {"ok": true, "tokens": [[...]], "text": [...], "first_logprobs": [{token: logprob}],
+     "step_logprobs": [[{token: logprob} per step] per prompt], "seconds": s}
 or {"ok": false, "error": first line, "error_type": name}, so that a crash of vLLM's in-tree path
 is a recorded result, not a failed run.
 """
@@ -94,15 +95,15 @@ def main() -> int:
         t_gen = time.time()
         results = llm.generate(spec["prompts"], params)
         phases["generate"] = time.time() - t_gen
-        first = []
-        for r in results:
-            lp = r.outputs[0].logprobs[0] if r.outputs[0].logprobs else {}
-            first.append({str(tok): float(v.logprob) for tok, v in lp.items()})
+        # the top log-probs of every generated step (vLLM adds the chosen token's): conftest's agreement
+        steps = [[{str(tok): float(v.logprob) for tok, v in lp.items()} for lp in (r.outputs[0].logprobs or [])]
+                 for r in results]  # fmt: skip
         result = {
             "ok": True,
             "tokens": [list(r.outputs[0].token_ids) for r in results],
             "text": [r.outputs[0].text for r in results],
-            "first_logprobs": first,
+            "first_logprobs": [st[0] if st else {} for st in steps],
+            "step_logprobs": steps,
             "inspection_fallback": fallback,
         }
     except Exception as exc:  # noqa: BLE001 - a crash is a result (vLLM's in-tree gs32 path)

@@ -14,10 +14,19 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import assert_generates_like, e2e_jobs, requires_gpu, run_llm, start_llm
+from tests.e2e.conftest import (
+    assert_generates_like,
+    e2e_jobs,
+    generation_disagreement,
+    requires_gpu,
+    rotate_experts,
+    run_llm,
+    start_llm,
+)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -82,7 +91,11 @@ def start_selected_runs(request, checkpoints, tmp_path_factory):
         return
     params = [item.callspec.params for item in request.session.items
               if item.module is request.module and hasattr(item, "callspec")]  # fmt: skip
-    for name in dict.fromkeys(p["name"] for p in params):
+    names = [p["name"] for p in params]
+    if any(item.name == "test_rotated_experts_do_not_generate_like_the_reference" for item in request.session.items):
+        names.append(CONTROL)
+        start_llm(rotated_checkpoint(checkpoints), tmp_path_factory.mktemp("rotated"), moe_backend="triton")
+    for name in dict.fromkeys(names):
         start_llm(checkpoints(name), tmp_path_factory.mktemp(f"ref-{name}"), backend="reference", eager=True)
     for p in params:
         tmp = tmp_path_factory.mktemp(f"run-{p['name']}")
@@ -128,9 +141,10 @@ def test_backend_generates_like_the_reference(checkpoints, baseline, tmp_path, n
         pytest.skip(f"{backend} refuses {name}: {reason}")
     run.require_ok(f"{name} {backend}")
     assert "moe_wna16_plus: using backend" in run.log, "the oracle did not explain its choice"
-    assert_generates_like(run, baseline(name), f"{name} {backend}")
+    worst = assert_generates_like(run, baseline(name), f"{name} {backend}")
     record(tmp_path, checkpoint=name, backend=backend, result="agrees", seconds=round(run.result["seconds"], 1),
-           text=run.result["text"], inspection_fallback=run.result.get("inspection_fallback"))  # fmt: skip
+           max_logprob_diff=round(worst, 4), tokens=run.result["tokens"], text=run.result["text"],
+           inspection_fallback=run.result.get("inspection_fallback"))  # fmt: skip
 
 
 @pytest.mark.parametrize("quantization", ["moe_wna16", None], ids=["in-tree-moe_wna16", "in-tree-default"])
@@ -143,8 +157,33 @@ def test_vllm_in_tree_paths_on_the_same_checkpoint(checkpoints, baseline, tmp_pa
                error_type=run.result.get("error_type"))  # fmt: skip
         pytest.xfail(f"vLLM's {label} fails on {name}: {run.result.get('error')}")
     assert "moe_wna16_plus: using backend" not in run.log, "the plugin claimed a checkpoint nobody asked it for"
-    assert_generates_like(run, baseline(name), f"{name} vLLM {label}")
-    record(tmp_path, checkpoint=name, path=label, result="agrees", seconds=round(run.result["seconds"], 1))
+    worst = assert_generates_like(run, baseline(name), f"{name} vLLM {label}")
+    record(tmp_path, checkpoint=name, path=label, result="agrees", seconds=round(run.result["seconds"], 1),
+           max_logprob_diff=round(worst, 4))  # fmt: skip
+
+
+CONTROL = "gptq-gs128"
+
+
+def test_rotated_experts_do_not_generate_like_the_reference(checkpoints, baseline, tmp_path_factory):
+    """The negative control: LOGPROB_ATOL must be tight enough to catch a checkpoint read with its
+    experts in the wrong order (run with the triton backend, as a user's would)."""
+    run = run_llm(rotated_checkpoint(checkpoints), tmp_path_factory.mktemp("rotated"), moe_backend="triton")
+    run.require_ok(f"{CONTROL} with rotated experts")
+    why, worst = generation_disagreement(run.result, baseline(CONTROL).result)
+    record(tmp_path_factory.getbasetemp(), checkpoint=f"{CONTROL}-rotated-experts", backend="triton",
+           result="caught" if why else "NOT caught", why=why, max_logprob_diff=round(worst, 4))  # fmt: skip
+    assert why is not None, f"rotated experts generated like the reference (largest log-prob difference {worst:.3g})"
+
+
+_ROTATED: list[Path] = []
+
+
+def rotated_checkpoint(checkpoints) -> Path:
+    if not _ROTATED:
+        src = checkpoints(CONTROL)
+        _ROTATED.append(rotate_experts(src, src.parent / f"{CONTROL}-rotated-experts"))
+    return _ROTATED[0]
 
 
 def test_demo_generates_on_the_gpu(tmp_path):

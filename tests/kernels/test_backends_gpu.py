@@ -30,20 +30,20 @@ CASES = [
     pytest.param(1024, 512, 8, 2, 8, 128, False, id="int8-gs128"),
     pytest.param(1024, 512, 8, 2, 8, -1, True, id="int8-channelwise-zp"),
 ]
-# triton-lean: the Triton kernel's leaner forms, not yet the defaults (fused_moe.PAIR_STEP_MATH = "fold",
-# DOT_NIBBLES = "split"), on the GPU's own bf16 arithmetic
-BACKENDS = ["triton", "triton-td", "triton-lean", "cuda", "vllm_cuda", "marlin"]
+# triton-tile: the Triton kernel's other forms (fused_moe.PAIR_STEP_MATH = "tile", the fallback for int4
+# rows off a 32-bit word, and DOT_NIBBLES = "interleave"), on the GPU's own bf16 arithmetic
+BACKENDS = ["triton", "triton-td", "triton-tile", "cuda", "vllm_cuda", "marlin"]
 
 
 @pytest.mark.parametrize("M", [1, 33, 300])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("H, I, E, top_k, bits, gs, zp", CASES)
 def test_gpu_backend_matches_reference(H, I, E, top_k, bits, gs, zp, backend, M, monkeypatch):
-    if backend == "triton-lean":
+    if backend == "triton-tile":
         from vllm_wna16_plugin.kernels.triton import fused_moe
 
-        monkeypatch.setattr(fused_moe, "PAIR_STEP_MATH", "fold")
-        monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "split")
+        monkeypatch.setattr(fused_moe, "PAIR_STEP_MATH", "tile")
+        monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "interleave")
         backend = "triton"
     p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=bits, gs1=gs, zp=zp, seed=M + E)
     cuda = lambda t: None if t is None else t.cuda()  # noqa: E731

@@ -48,16 +48,18 @@ from vllm_wna16_plugin.kernels.triton.td_gate import TDDecision, decide_td, td_r
 ACTIVATIONS = ("silu", "gelu")
 # The per-pair kernel's widest K tile that keeps a (BLOCK_N, BLOCK_K) accumulator; wider tiles reduce each step.
 PAIR_ACC_MAX_K = 256
-# How the per-pair (GEMV) kernel multiplies a K step: "tile" (dequantize the tile to the compute
-# dtype, as the tl.dot kernel must, then multiply-add in float32) or "fold" (dequant._folded_dot_step:
-# float32 multiply-adds of the raw integers, scale and zero applied per group; 36% fewer instructions
-# per weight in the sm90 SASS, bench/sass_cost.py). Both are tested. "tile" stays the default until
-# the H200 benchmark measures "fold" (provider plugin-triton-fold) side by side.
-PAIR_STEP_MATH = "tile"
-# How the tl.dot kernel feeds int4 to the tensor cores: "interleave" (one dot over the K tile, nibbles
-# interleaved back into k order) or "split" (two dots of half the K: low nibbles with A's even columns,
-# high nibbles with its odd ones; no interleave). Both are tested; bench provider plugin-triton-split.
-DOT_NIBBLES = "interleave"
+# How the per-pair (GEMV) kernel multiplies a K step: "fold" (dequant._folded_dot_step: float32
+# multiply-adds of the raw integers, scale and zero applied per group; 36% fewer instructions per
+# weight in the sm90 SASS, bench/sass_cost.py) or "tile" (dequantize the tile to the compute dtype,
+# as the tl.dot kernel must, then multiply-add in float32). "fold" is the default: on the H200 it took
+# 0.62-0.85x the time of "tile" at M <= 8 on all five benchmark shapes (bench/results/h200/
+# 2026-12-03-09163a5-lean-forms.md). "tile" remains for int4 rows that do not start on a 32-bit word.
+PAIR_STEP_MATH = "fold"
+# How the tl.dot kernel feeds int4 to the tensor cores: "split" (two dots of half the K: low nibbles
+# with A's even columns, high nibbles with its odd ones; no interleave) or "interleave" (one dot over
+# the K tile, nibbles interleaved back into k order). "split" is the default: 0.92-0.97x the time of
+# "interleave" on Mixtral-8x7B and DeepSeek-V2-Lite at M 4-64, within 2% elsewhere (same table).
+DOT_NIBBLES = "split"
 _COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AlignFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 

@@ -85,3 +85,26 @@ def test_bf16_router_gate_of_a_gptq_checkpoint_stays_unquantized(vllm_cpu, tmp_p
     gate = ReplicatedLinear(128, 4, bias=False, quant_config=cfg, prefix="model.layers.0.mlp.gate")
     # Asymmetric GPTQ: vLLM's in-tree GPTQ linear method would refuse it; the gate never asks.
     assert isinstance(gate.quant_method, UnquantizedLinearMethod)
+
+
+def test_config_pickles_by_name_into_a_fresh_process(config_cls, tmp_path):
+    """vLLM pickles the config into the engine core it spawns (the demo crashed on the H200 with
+    "Can't pickle local object 'make_config_class.<locals>.MoeWNA16PlusConfig'"); a fresh
+    interpreter that never called register() must unpickle it."""
+    import pickle
+    import subprocess
+    import sys
+
+    cfg = config_cls.from_config(GPTQ | {"sym": False, "group_size": 64})
+    blob = pickle.dumps(cfg)
+    again = pickle.loads(blob)
+    assert type(again) is type(cfg) and again.parsed == cfg.parsed
+    (tmp_path / "cfg.pkl").write_bytes(blob)
+    code = (
+        "import pickle, sys; cfg = pickle.load(open(sys.argv[1], 'rb')); "
+        "print(type(cfg).__module__, type(cfg).__qualname__, cfg.get_name(), cfg.parsed.scheme.group_size)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cfg.pkl")], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-4:] == ["vllm_wna16_plugin.quant_config", "MoeWNA16PlusConfig", "moe_wna16_plus", "64"]

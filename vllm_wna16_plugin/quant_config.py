@@ -7,6 +7,7 @@ to vLLM's in-tree method of the checkpoint's format.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -19,8 +20,14 @@ QUANTIZATION_NAME = "moe_wna16_plus"
 logger = _vllm.init_logger(__name__)
 
 
+@functools.cache
 def make_config_class():
-    """Build the config class on vLLM's base (imported lazily, so the package imports without vLLM)."""
+    """Build the config class on vLLM's base (imported lazily, so the package imports without vLLM).
+
+    One class per process, reachable as `vllm_wna16_plugin.quant_config.MoeWNA16PlusConfig`
+    (the module's __getattr__): vLLM pickles the config into the engine-core process when it
+    spawns it (as it must once CUDA is initialized), and pickle finds a class by that name.
+    """
     base = _vllm.quantization_config_base()
 
     class MoeWNA16PlusConfig(base):
@@ -130,4 +137,12 @@ def make_config_class():
                 return self._delegate().get_quant_method(layer, prefix)
             return None
 
+    MoeWNA16PlusConfig.__qualname__ = "MoeWNA16PlusConfig"  # not make_config_class.<locals>.…
     return MoeWNA16PlusConfig
+
+
+def __getattr__(name: str):
+    """`MoeWNA16PlusConfig` on first use, as pickle asks for it in a freshly spawned process."""
+    if name == "MoeWNA16PlusConfig":
+        return make_config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

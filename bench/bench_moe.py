@@ -360,8 +360,13 @@ def main() -> int:
     return 0
 
 
-def record_crossovers(rows, shapes: list[Shape], device_name: str, crossover_dir: Path, source: Path) -> str:
-    """Write each shape's measured cuda-over-triton ranges (crossover.measured_ranges) for this device."""
+def record_crossovers(
+    rows, shapes: list[Shape], device_name: str, crossover_dir: Path, source: Path, triton_column: str = "plugin-triton"
+) -> str:
+    """Write each shape's measured cuda-over-triton ranges (crossover.measured_ranges) for this device.
+
+    triton_column: the source table's column that timed the Triton kernel (recorded when it is not
+    plugin-triton, e.g. a form measured before it became the default; rows name it plugin-triton)."""
     from vllm_wna16_plugin import crossover
 
     entries, lines = {}, []
@@ -380,6 +385,8 @@ def record_crossovers(rows, shapes: list[Shape], device_name: str, crossover_dir
             "cuda_m_ranges": ranges,
             "source": str(source.relative_to(ROOT) if source.is_relative_to(ROOT) else source),
         }
+        if triton_column != "plugin-triton":
+            entries[key]["triton_provider"] = triton_column
         won = ", ".join(f"M={lo}..{hi}" for lo, hi in ranges) or "nowhere"
         lines.append(f"{s.name}: cuda beats triton at {won} of M={sorted(pairs)} ({key})")
     path = crossover.write_crossovers(entries, device_name, crossover_dir)

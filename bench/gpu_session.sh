@@ -6,6 +6,7 @@
 #   bash bench/gpu_session.sh tune bench                  # tune Triton configs, then the layer benchmark
 #   E2E_ARGS="-k 'gptq-gs32-k2048 or serve'" bash bench/gpu_session.sh e2e
 #   E2E_JOBS=8 bash bench/gpu_session.sh e2e               # 8 LLM(...) runs share the GPU at a time
+#   E2E_JOBS=12 bash bench/gpu_session.sh e2e-par          # the whole tier, two pytest processes side by side
 #   bash bench/gpu_session.sh probe inspect               # CUDA op refusals; vLLM's inspection subprocess
 #   bash bench/gpu_session.sh e2e-bench                   # bench/e2e.py (offline throughput)
 # The lent machine's copy of the tree has no .git: BENCH_COMMIT names the commit in result files.
@@ -70,6 +71,18 @@ for step in "$@"; do
                for f in "$OUT"/test_*_gpu.log; do echo "== $(basename "$f")"; grep -E "FAILED|Error|passed|failed" "$f" | tail -12; done ;;
     e2e) export E2E_RECORD="$OUT/e2e-record.jsonl"
          eval "timeout ${E2E_TIMEOUT:-540} python3 -m pytest -q -m gpu ${E2E_PATHS:-tests/e2e} -p no:cacheprovider -rsx ${E2E_ARGS:-}" 2>&1 | grep --line-buffered -v "^WARNING" | tee "$OUT/e2e.log" | tail -40 || rc=1 ;;
+    # the whole tier in one call: test_llm_generate.py (its runs E2E_JOBS at a time) beside the other
+    # modules (serve, bad input, TP), two pytest processes, each with its own log and record
+    e2e-par) pids=()
+             for part in gen rest; do
+               if [ $part = gen ]; then paths=tests/e2e/test_llm_generate.py; jobs=${E2E_JOBS:-12}
+               else paths="tests/e2e/test_bad_input.py tests/e2e/test_serve.py tests/e2e/test_tensor_parallel.py"; jobs=1; fi
+               ( export E2E_RECORD="$OUT/e2e-record-$part.jsonl" E2E_JOBS=$jobs
+                 eval "timeout ${E2E_TIMEOUT:-540} python3 -m pytest -q -m gpu $paths -p no:cacheprovider -rsx ${E2E_ARGS:-}" 2>&1 \
+                   | grep -v "^WARNING" >"$OUT/e2e-$part.log"; exit "${PIPESTATUS[0]}" ) & pids+=($!)
+             done
+             for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+             for part in gen rest; do echo "== e2e-$part"; grep -E "^(FAILED|ERROR)| in [0-9.]+s" "$OUT/e2e-$part.log" | tail -15; done ;;
     e2e-bench) timeout ${E2E_BENCH_TIMEOUT:-540} python3 bench/e2e.py --out "$OUT/res" ${E2E_BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/e2e-bench.log" | tail -30 ;;
     tune) timeout ${TUNE_TIMEOUT:-300} python3 bench/tune.py --out vllm_wna16_plugin/kernels/triton/configs ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -30
           tar czf "$OUT/configs.tgz" -C vllm_wna16_plugin/kernels/triton configs ;;

@@ -3,8 +3,8 @@
 For each shape (E, H, I, top_k, group size, bits) and each M, both GEMMs are tuned
 alone (GEMM1: N=2I, K=H; GEMM2: N=H, K=I) through invoke_wna16_gemm, on real routing:
 
-  stage A  tile shape: BLOCK_SIZE_M from the M bucket ({1} per pair while pairs rarely
-           share an expert, {16, 32, 64} by tokens per expert), BLOCK_SIZE_N {32, 64, 128},
+  stage A  tile shape: BLOCK_SIZE_M from the M bucket ({1} per pair up to 3 tokens
+           per expert, {16, 32, 64} by tokens per expert), BLOCK_SIZE_N {32, 64, 128},
            BLOCK_SIZE_K {64, 128, 256} legal for the group size (per pair also 512, 1024:
            wide_block_k); num_warps 4, num_stages 4.
   stage B  around the best 2 tiles: num_warps {4, 8} x num_stages {3, 4, 5} (and 1 per pair), SPLIT_K {2, 4}
@@ -103,12 +103,18 @@ def wide_block_k(K: int, gs: int, block_n: int) -> list[int]:
     return [bk for bk in (512, 1024) if bk <= K and block_n * bk <= 32768 and (g == K or bk % g == 0 or g % bk == 0)]
 
 
+PER_PAIR_MAX_TOKENS_PER_EXPERT = 3.0
+
+
 def block_m_choices(M: int, E: int, top_k: int) -> list[int]:
     pairs = M * top_k
     hit = expected_experts_hit(pairs, E)
     tpe = pairs / hit
     out = []
-    if tpe <= 1.5:
+    # Per pair re-reads an expert's weights for each of its tokens (from L2 after the first). With the
+    # folded step it measured level with or ahead of tl.dot up to M=8 (09163a5), so it is timed
+    # up to 3 tokens per expert and the measurement decides.
+    if tpe <= PER_PAIR_MAX_TOKENS_PER_EXPERT:
         out.append(1)
     if tpe > 1.05:
         allowed = [bm for bm in (16, 32, 64) if bm <= max(16, 2 * 2 ** math.ceil(math.log2(max(tpe, 1))))]

@@ -25,11 +25,16 @@ RUNNER = Path(__file__).with_name("llm_runner.py")
 PROMPTS = ["The capital of France is", "Water is made of hydrogen and", "1 2 3 4 5"]
 # Greedy decoding of random weights: bf16 accumulation order may flip a near-tie. A run generates
 # like the reference when, at every step up to and including its first divergence, the top
-# log-probs both runs list differ by at most LOGPROB_ATOL and, at the divergence, each run's token is
-# among the other's top log-probs (so the flip is a near-tie: its margin is at most 2 * LOGPROB_ATOL).
-# 0.5 nats: vLLM's own GPTQ-Marlin differed from the float32 reference by 0.118 at the first token of
-# gptq-int8 (H200, 09163a5); the expert-rotation control (test_llm_generate) must exceed it.
+# log-probs both runs list differ by at most FIRST_STEP_LOGPROB_ATOL at step 0 (the prefill: both
+# runs saw the same prompt) and LOGPROB_ATOL after it (differences compound through the KV cache),
+# and, at the divergence, each run's token is among the other's top log-probs (a near-tie).
+# Measured on the H200 (ae0b66c): step 0 differed by at most 0.118 (GPTQ int8, vLLM's own Marlin
+# included), later steps by at most 0.18; the expert-rotation control differed by 0.65 at step 0.
+FIRST_STEP_LOGPROB_ATOL = 0.25
 LOGPROB_ATOL = 0.5
+# vllm serve's memory flags, as llm_runner's: a fixed 256 MiB KV cache skips vLLM's memory profiling,
+# which other processes on the GPU would upset (gpu_session.sh e2e-par runs serve beside LLM runs)
+SHARED_GPU_MEMORY = ["--gpu-memory-utilization", "0.04", "--kv-cache-memory-bytes", str(256 << 20)]
 AGREE_MIN = 8  # the serve test: tokens that must agree with offline greedy, same backend, other batch
 
 
@@ -175,7 +180,7 @@ def agreed_prefix(a: list[int], b: list[int]) -> int:
 
 def generation_disagreement(got: dict, ref: dict) -> tuple[str | None, float]:
     """Why `got` (an llm_runner result) does not generate like `ref`, or None; and the largest log-prob
-    difference seen on the compared steps (LOGPROB_ATOL's contract above)."""
+    difference seen on the compared steps (the tolerances' contract above)."""
     worst = 0.0
     for i, (r, g) in enumerate(zip(ref["tokens"], got["tokens"], strict=True)):
         rl, gl = ref["step_logprobs"][i], got["step_logprobs"][i]
@@ -188,8 +193,9 @@ def generation_disagreement(got: dict, ref: dict) -> tuple[str | None, float]:
                 return f"prompt {i} step {step}: no common top token", worst
             diff = max(abs(rl[step][t] - gl[step][t]) for t in common)
             worst = max(worst, diff)
-            if diff > LOGPROB_ATOL:
-                return f"prompt {i} step {step}: top log-probs differ by {diff:.3g} > {LOGPROB_ATOL}", worst
+            atol = FIRST_STEP_LOGPROB_ATOL if step == 0 else LOGPROB_ATOL
+            if diff > atol:
+                return f"prompt {i} step {step}: top log-probs differ by {diff:.3g} > {atol}", worst
         if d < len(r):
             mine, theirs = str(g[d]), str(r[d])
             if mine not in rl[d] or theirs not in gl[d]:

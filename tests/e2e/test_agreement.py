@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from tests.e2e.conftest import LOGPROB_ATOL, generation_disagreement
+from tests.e2e.conftest import FIRST_STEP_LOGPROB_ATOL, LOGPROB_ATOL, generation_disagreement
 
 
 def fake_run(steps: int = 6, prompts: int = 2, seed: int = 0) -> dict:
@@ -53,6 +53,16 @@ def test_logprobs_beyond_the_tolerance_disagree_even_with_equal_tokens():
     got["step_logprobs"][0][2] = {t: v - 2 * LOGPROB_ATOL for t, v in got["step_logprobs"][0][2].items()}
     why, _ = generation_disagreement(got, ref)
     assert why is not None and "step 2" in why
+
+
+def test_the_first_step_has_the_tighter_tolerance():
+    ref = fake_run()
+    between = (FIRST_STEP_LOGPROB_ATOL + LOGPROB_ATOL) / 2
+    for step, agrees in ((0, False), (3, True)):
+        got = copy(ref)
+        got["step_logprobs"][1][step] = {t: v + between for t, v in got["step_logprobs"][1][step].items()}
+        why, worst = generation_disagreement(got, ref)
+        assert (why is None) == agrees and worst == pytest.approx(between), (step, why)
 
 
 def near_tie_flip(ref: dict, prompt: int, step: int, margin: float) -> dict:

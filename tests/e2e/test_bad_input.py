@@ -17,7 +17,7 @@ import sys
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.e2e.conftest import free_port, requires_gpu, run_llm
+from tests.e2e.conftest import SHARED_GPU_MEMORY, free_port, requires_gpu, run_llm
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -59,7 +59,7 @@ def test_llm_shows_the_plugins_message(broken, tmp_path, case):
 def test_vllm_serve_shows_the_plugins_message_and_exits(broken, case):
     path, needle = broken[case]
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(path), "--quantization", "moe_wna16_plus",
-           "--host", "127.0.0.1", "--port", str(free_port()), "--max-model-len", "256", "--gpu-memory-utilization", "0.25",
+           "--host", "127.0.0.1", "--port", str(free_port()), "--max-model-len", "256", *SHARED_GPU_MEMORY,
            "--attention-backend", "TRITON_ATTN", "--enforce-eager"]  # fmt: skip
     proc = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr

@@ -166,7 +166,7 @@ CONTROL = "gptq-gs128"
 
 
 def test_rotated_experts_do_not_generate_like_the_reference(checkpoints, baseline, tmp_path_factory):
-    """The negative control: LOGPROB_ATOL must be tight enough to catch a checkpoint read with its
+    """The negative control: the agreement tolerances must be tight enough to catch a checkpoint read with its
     experts in the wrong order (run with the triton backend, as a user's would)."""
     run = run_llm(rotated_checkpoint(checkpoints), tmp_path_factory.mktemp("rotated"), moe_backend="triton")
     run.require_ok(f"{CONTROL} with rotated experts")

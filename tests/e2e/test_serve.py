@@ -20,7 +20,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.conftest import AGREE_MIN, PROMPTS, agreed_prefix, first_errors, free_port, requires_gpu, run_llm
+from tests.e2e.conftest import (
+    AGREE_MIN,
+    PROMPTS,
+    SHARED_GPU_MEMORY,
+    agreed_prefix,
+    first_errors,
+    free_port,
+    requires_gpu,
+    run_llm,
+)
 from tests.e2e.llm_runner import COMPILATION
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -47,7 +56,7 @@ def server(checkpoint, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve-log") / "serve.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(checkpoint),
            "--quantization", "moe_wna16_plus", "--moe-backend", "triton", "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "256", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.25",
+           "--max-model-len", "256", "--max-num-seqs", "8", *SHARED_GPU_MEMORY,
            "--attention-backend", "TRITON_ATTN", "--served-model-name", "tiny",
            # the offline runs' compilation (llm_runner): no torch.compile, full CUDA graphs for decode
            "--compilation-config", json.dumps(COMPILATION)]  # fmt: skip

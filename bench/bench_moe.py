@@ -191,6 +191,7 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
 # the dequantize-the-tile GEMV and the interleaved int4 dot, the defaults before 2026-12-03's measurement
 TRITON_FORMS = {
     "plugin-triton-tile": {"PAIR_STEP_MATH": "tile", "DOT_NIBBLES": "interleave"},
+    "plugin-triton-words": {"DOT_NIBBLES": "words"},
 }
 
 

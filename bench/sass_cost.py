@@ -50,7 +50,7 @@ consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, grou
               USE_TD=False, USE_TD_GATHER=False, SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
               compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk,
               GROUP_SIZE_M=1, FOLD_SCALES=bool(fold), REDUCE_EACH_STEP=bool(fold) or bk > fused_moe.PAIR_ACC_MAX_K,
-              SPLIT_NIBBLES=bool(fold))  # `fold` selects the leaner form of either kernel
+              SPLIT_NIBBLES=fold == 1, WORD_NIBBLES=fold == 2)  # `fold`: the form (tl.dot: 1 split, 2 words)
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 sig, attrs = {}, {}
 for i, name in enumerate(kernel.arg_names):
@@ -91,7 +91,8 @@ def disassemble(cubin: str) -> str:
 
 def triton_rows(tmp: str) -> list[str]:
     rows = []
-    # (label, bits, per pair, lean form (per pair: folded; tl.dot: split nibbles), BLOCK_M, BLOCK_N, BLOCK_K, warps)
+    # (label, bits, per pair, form (per pair: 1 folded; tl.dot: 1 split nibbles, 2 word nibbles), BLOCK_M, BLOCK_N,
+    # BLOCK_K, warps)
     for label, *cfg in [
         ("per-pair tile 1x64x256", 4, 1, 0, 1, 64, 256, 4),
         ("per-pair folded 1x64x256", 4, 1, 1, 1, 64, 256, 4),
@@ -100,6 +101,9 @@ def triton_rows(tmp: str) -> list[str]:
         ("per-pair folded 1x32x256 int8", 8, 1, 1, 1, 32, 256, 4),
         ("tl.dot interleaved 16x128x256", 4, 0, 0, 16, 128, 256, 4),
         ("tl.dot split nibbles 16x128x256", 4, 0, 1, 16, 128, 256, 4),
+        ("tl.dot word nibbles 16x128x256", 4, 0, 2, 16, 128, 256, 4),
+        ("tl.dot split nibbles 16x64x128", 4, 0, 1, 16, 64, 128, 4),
+        ("tl.dot word nibbles 16x64x128", 4, 0, 2, 16, 64, 128, 4),
     ]:
         bits, pair, fold, bm, bn, bk, warps = cfg
         out = os.path.join(tmp, f"{label.replace(' ', '_')}.cubin")

@@ -30,20 +30,25 @@ CASES = [
     pytest.param(1024, 512, 8, 2, 8, 128, False, id="int8-gs128"),
     pytest.param(1024, 512, 8, 2, 8, -1, True, id="int8-channelwise-zp"),
 ]
-# triton-tile: the Triton kernel's other forms (fused_moe.PAIR_STEP_MATH = "tile", the fallback for int4
-# rows off a 32-bit word, and DOT_NIBBLES = "interleave"), on the GPU's own bf16 arithmetic
-BACKENDS = ["triton", "triton-td", "triton-tile", "cuda", "vllm_cuda", "marlin"]
+# The Triton kernel's other forms, on the GPU's own arithmetic: triton-tile the former defaults (the
+# per-pair "tile" step is still the fallback for int4 rows off a 32-bit word); triton-words the word
+# form of the tl.dot kernel, not yet measured, whose bf16 magic the interpreter cannot run
+TRITON_FORMS = {
+    "triton-tile": {"PAIR_STEP_MATH": "tile", "DOT_NIBBLES": "interleave"},
+    "triton-words": {"DOT_NIBBLES": "words"},
+}
+BACKENDS = ["triton", "triton-td", "triton-tile", "triton-words", "cuda", "vllm_cuda", "marlin"]
 
 
 @pytest.mark.parametrize("M", [1, 33, 300])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("H, I, E, top_k, bits, gs, zp", CASES)
 def test_gpu_backend_matches_reference(H, I, E, top_k, bits, gs, zp, backend, M, monkeypatch):
-    if backend == "triton-tile":
+    if backend in TRITON_FORMS:
         from vllm_wna16_plugin.kernels.triton import fused_moe
 
-        monkeypatch.setattr(fused_moe, "PAIR_STEP_MATH", "tile")
-        monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "interleave")
+        for name, value in TRITON_FORMS[backend].items():
+            monkeypatch.setattr(fused_moe, name, value)
         backend = "triton"
     p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=bits, gs1=gs, zp=zp, seed=M + E)
     cuda = lambda t: None if t is None else t.cuda()  # noqa: E731
@@ -93,3 +98,32 @@ def test_gpu_backend_captures_in_cuda_graph(backend):
     torch.cuda.synchronize()
     ref = fused_moe_wna16_ref(*args, **kw).cpu()  # float32 torch on the GPU: independent of every kernel
     assert_backend_matches(backend, out.cpu(), ref, f"{backend} graph replay")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("bk", [128, 256])
+@pytest.mark.parametrize(
+    "H, I, gs, zp",
+    [
+        pytest.param(1344, 512, 32, True, id="k1344-gs32-zp"),  # a 64-wide K tail under both tiles
+        pytest.param(2048, 768, 128, False, id="gs128"),
+        pytest.param(2816, 352, -1, True, id="channelwise-zp"),
+    ],
+)
+def test_gpu_triton_words_form_on_wide_k_tiles(H, I, gs, zp, bk, dtype, monkeypatch):
+    """DOT_NIBBLES = "words" where it engages (BLOCK_SIZE_K >= 128), with the GPU's bf16/fp16 magic."""
+    from vllm_wna16_plugin.kernels.triton import fused_moe
+    from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig
+    from vllm_wna16_plugin.kernels.triton.fused_moe import fused_moe_wna16_triton
+    from vllm_wna16_plugin.kernels.triton.td_gate import TDDecision
+
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
+    p = make_moe_problem(M=40, H=H, I=I, E=8, top_k=2, bits=4, gs1=gs, zp=zp, dtype=dtype, seed=bk + H)
+    args = [None if t is None else t.cuda() for t in p.args()]
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in p.kwargs().items()}
+    cfg = TritonMoEConfig(16, 64, bk)
+    assert fused_moe._use_word_nibbles(4, cfg, H, args[1], TDDecision(False, False, "test"))
+    ref = fused_moe_wna16_ref(*args, **kw).cpu()
+    out = fused_moe_wna16_triton(*args, **kw, configs=cfg, use_td=False)
+    torch.cuda.synchronize()
+    assert_close_scaled(out.cpu(), ref, dtype, f"words form BLOCK_K={bk}")

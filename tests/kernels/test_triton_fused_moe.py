@@ -439,6 +439,54 @@ def test_one_hot_probe_scale_vectors_every_group_size(bits, zp, gs, K, bk, dtype
     assert torch.equal(c, want), (c.float() - want.float()).abs().max()
 
 
+@pytest.mark.parametrize(
+    "zp,gs,K,bk,dtype",
+    [
+        pytest.param(True, 32, 320, 128, BF16, id="gs32-K320-tail64-bk128-bf16"),
+        pytest.param(False, 64, 192, 128, FP16, id="gs64-K192-tail-fp16"),
+        pytest.param(True, 128, 256, 256, FP16, id="gs128-2groups-bk256-fp16"),
+        pytest.param(True, -1, 384, 256, BF16, id="channelwise-K384-tail128"),
+    ],
+)
+def test_word_nibbles_one_hot_probe(zp, gs, K, bk, dtype, monkeypatch):
+    """DOT_NIBBLES = "words": x = eye(K) reads back every column of dequant(W_e) exactly, so each of
+    the eight (word, nibble) tiles must land on its own k = 8i + 4h + s, with its group's scale."""
+    E, N = 2, 32
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
+    kw = quantized_experts(E, N, K, 4, gs, zp, dtype, torch.Generator().manual_seed(29))
+    assert fused_moe._use_word_nibbles(4, Cfg(16, 32, bk), K, kw.qweight, POINTERS)
+    ids = torch.full((K, 1), 1, dtype=torch.int32)
+    c = torch.full((K, N), float("nan"), dtype=dtype)
+    invoke_wna16_gemm(
+        torch.eye(K, dtype=dtype), kw.qweight, kw.scales, kw.qzeros, c, None, *moe_align_block_size_torch(ids, 16, E),
+        bits=4, top_k=1, mul_routed_weight=False, config=Cfg(16, 32, bk), td=POINTERS,
+    )  # fmt: skip
+    want = dequantize_ref(kw.qweight, kw.scales, kw.qzeros, 4)[1].to(dtype).T
+    assert torch.equal(c, want), (c.float() - want.float()).abs().max()
+
+
+def test_word_nibbles_whole_moe_matches_reference(monkeypatch):
+    """Both GEMMs in the words form, K=1344 (a 64-wide tail under BLOCK_SIZE_K=128), gs32, zero points."""
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
+    p = make_moe_problem(M=3, H=1344, inter=128, E=4, top_k=2, bits=4, gs1=32, gs2=32, zp=True, seed=31)
+    out, ref = run_both(p, configs=Cfg(16, 32, 128), use_td=False)
+    assert_close_scaled(out, ref, BF16, "words form, K=1344")
+
+
+def test_word_nibbles_only_where_the_tile_takes_them(monkeypatch):
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
+    q = torch.zeros(2, 32, 64, dtype=torch.uint8)
+    use = fused_moe._use_word_nibbles
+    assert use(4, Cfg(16, 32, 128), 128, q, POINTERS)
+    assert not use(8, Cfg(16, 32, 128), 128, q, POINTERS)  # int8: no nibbles
+    assert not use(4, Cfg(16, 32, 64), 128, q, POINTERS)  # dots of K/8 = 8 < 16
+    assert not use(4, Cfg(16, 32, 128), 124, q, POINTERS)  # rows end mid-word
+    assert not use(4, Cfg(16, 32, 128), 128, q, TDDecision(True, False, "test: TD"))  # B by descriptor
+    assert not use(4, Cfg(16, 32, 128), 128, torch.zeros(2, 32, 65, dtype=torch.uint8)[..., 1:], POINTERS)
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "split")
+    assert not use(4, Cfg(16, 32, 128), 128, q, POINTERS)
+
+
 # ---------------------------------------------------------------- activation and top-k sum kernels
 
 
@@ -659,9 +707,10 @@ sm, bits, td, gather, even_k, pair = (int(v) for v in sys.argv[1:7])
 kernel = fused_moe._fused_moe_wna16_pair_kernel if pair else fused_moe._fused_moe_wna16_kernel
 K, N, gs, bk = (2048, 1536, 32, 256) if even_k else (1344, 1536, 32, 128)
 bk = int(sys.argv[7]) if len(sys.argv) > 7 and int(sys.argv[7]) else bk  # a K tile wider than the default
-# the lean form of either kernel (per pair: the folded step; tl.dot: split nibbles), else the module default
-lean_default = fused_moe.PAIR_STEP_MATH == "fold" if pair else fused_moe.DOT_NIBBLES == "split"
-fold = bool(int(sys.argv[8])) if len(sys.argv) > 8 else lean_default
+# the form: per pair 1 = the folded step; tl.dot 1 = split nibbles, 2 = word nibbles; else the module default
+default_form = (fused_moe.PAIR_STEP_MATH == "fold") if pair else {"split": 1, "words": 2}.get(fused_moe.DOT_NIBBLES, 0)
+form = int(sys.argv[8]) if len(sys.argv) > 8 else int(default_form)
+fold = bool(form)
 ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8", topk_weights_ptr="*fp32",
             sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
             topk_ids_ptr="*i32", expert_map_ptr="*i32")
@@ -670,7 +719,7 @@ consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, grou
               EVEN_K=bool(even_k), USE_TD=bool(td), USE_TD_GATHER=bool(gather), SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
               compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=bk,
               GROUP_SIZE_M=1, FOLD_SCALES=fold, REDUCE_EACH_STEP=fold or bk > fused_moe.PAIR_ACC_MAX_K,
-              SPLIT_NIBBLES=fold)
+              SPLIT_NIBBLES=form == 1, WORD_NIBBLES=form == 2)
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 divisible = ("stride_am", "stride_be", "stride_bn", "stride_cm", "stride_cs", "stride_se", "stride_ze", "stride_zn")
 sig, attrs = {}, {}
@@ -752,6 +801,15 @@ def test_split_nibble_dot_kernel_compiles_for_sm90(even_k):
     # two half-K dots per step (no interleave): still 16-byte async B loads into the pipeline
     tags = _compile_for_gpu(90, 4, 0, 0, even_k, 0, 0, 1)
     assert "CPASYNC16" in tags, tags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("even_k", [1, 0])
+def test_word_nibble_dot_kernel_compiles_for_sm90(even_k):
+    # eight dots of K/8 per step from 32-bit words: still 16-byte async B loads, dequant in bf16
+    # math, no int->float converts
+    tags = _compile_for_gpu(90, 4, 0, 0, even_k, 0, 0, 2)
+    assert {"CPASYNC16", "BF16MATH", "I2F=0"} <= tags, tags
 
 
 @pytest.mark.slow

@@ -77,22 +77,34 @@ def _dequant_b_tile(
         return _round_to(w, compute_type, RNE_BY_HAND)
     else:
         if compute_type == tl.float16:
-            qc = (q.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-            zc = (zero + 1024.0).to(tl.float16)
+            return _scale_offset_tile((q.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True), scale, zero + 1024.0,
+                                      BLOCK_N, BLOCK_K, GROUPS, compute_type)  # fmt: skip
         elif BITS == 4:
-            qc = (q.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
-            zc = (zero + 128.0).to(tl.bfloat16)
+            return _scale_offset_tile((q.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True), scale, zero + 128.0,
+                                      BLOCK_N, BLOCK_K, GROUPS, compute_type)  # fmt: skip
         else:
-            qc = q.to(compute_type)
-            zc = zero.to(compute_type)
-        sc = scale.to(compute_type)
-        if GROUPS == 1:
-            w = (qc - zc) * sc
-        else:
-            q3 = tl.reshape(qc, (BLOCK_N, GROUPS, BLOCK_K // GROUPS))
-            w3 = (q3 - zc[:, :, None]) * sc[:, :, None]
-            w = tl.reshape(w3, (BLOCK_N, BLOCK_K))
-        return w
+            return _scale_offset_tile(q.to(compute_type), scale, zero, BLOCK_N, BLOCK_K, GROUPS, compute_type)
+
+
+@triton.jit
+def _scale_offset_tile(
+    qc,  # (BLOCK_N, BLOCK_K) compute dtype: the integers, plus any magic offset they carry (exact)
+    scale,  # (BLOCK_N, GROUPS) float32
+    offset,  # (BLOCK_N, GROUPS) float32: zero point plus that offset
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    compute_type: tl.constexpr,
+):
+    """(qc - offset) * scale in compute_type, per group of BLOCK_K // GROUPS columns: qc - offset is a
+    small exact integer, so the one multiply rounds once, as float32 math then a cast would."""
+    zc = offset.to(compute_type)
+    sc = scale.to(compute_type)
+    if GROUPS == 1:
+        return (qc - zc) * sc
+    q3 = tl.reshape(qc, (BLOCK_N, GROUPS, BLOCK_K // GROUPS))
+    w3 = (q3 - zc[:, :, None]) * sc[:, :, None]
+    return tl.reshape(w3, (BLOCK_N, BLOCK_K))
 
 
 @triton.jit
@@ -168,3 +180,72 @@ def _folded_dot_step(
     else:
         q = (b.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
         return _group_fold(q * a[None, :], a, scale, zero, BLOCK_N, GROUPS, BLOCK_K)
+
+
+@triton.jit
+def _dot_f32_or_native(a, w, acc, INTERPRET_BF16: tl.constexpr):
+    """acc + a @ w.T; the bf16 interpreter multiplies in float32 (it has no bf16 dot)."""
+    if INTERPRET_BF16:
+        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc=acc)
+    return tl.dot(a, tl.trans(w), acc=acc)
+
+
+@triton.jit
+def _word_shift_dots(
+    acc, a_s, words, SHIFT: tl.constexpr, scale, zero, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+    GROUPS: tl.constexpr, compute_type: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+):  # fmt: skip
+    """The two dots of nibble s = SHIFT / 4 of every word: k = 8i + s (low half) and 8i + 4 + s (high).
+
+    On the GPU one and-or makes both halves the compute dtype's magic + q (bf16 0x4300 = 128, fp16
+    0x6400 = 1024), so each half is a bitcast away from the dequant multiply."""
+    a_lo, a_hi = tl.split(a_s)  # h = 0, 1: (BLOCK_M, WORDS) each
+    if INTERPRET_BF16:  # no bf16 bitcast in the interpreter: dequant.py's float32 form
+        t = (words >> SHIFT) & 0x000F000F
+        w_lo = _dequant_b_tile(t & 0xFFFF, scale, zero, BLOCK_N, WORDS, GROUPS, 4, compute_type, INTERPRET_BF16)
+        w_hi = _dequant_b_tile(t >> 16, scale, zero, BLOCK_N, WORDS, GROUPS, 4, compute_type, INTERPRET_BF16)
+    else:
+        if compute_type == tl.float16:
+            t = ((words >> SHIFT) & 0x000F000F) | 0x64006400
+            offset = zero + 1024.0
+        else:
+            t = ((words >> SHIFT) & 0x000F000F) | 0x43004300
+            offset = zero + 128.0
+        q_lo = t.to(tl.uint16).to(compute_type, bitcast=True)
+        q_hi = (t >> 16).to(tl.uint16).to(compute_type, bitcast=True)
+        w_lo = _scale_offset_tile(q_lo, scale, offset, BLOCK_N, WORDS, GROUPS, compute_type)
+        w_hi = _scale_offset_tile(q_hi, scale, offset, BLOCK_N, WORDS, GROUPS, compute_type)
+    acc = _dot_f32_or_native(a_lo, w_lo, acc, INTERPRET_BF16)
+    return _dot_f32_or_native(a_hi, w_hi, acc, INTERPRET_BF16)
+
+
+@triton.jit
+def _word_nibble_dots(
+    acc,  # (BLOCK_M, BLOCK_N) float32
+    a,  # (BLOCK_M, BLOCK_K) compute dtype, 0 past K
+    words,  # (BLOCK_N, BLOCK_K // 8) uint32: int4 B as 32-bit words of 8 values
+    scale,  # (BLOCK_N, GROUPS) float32
+    zero,  # (BLOCK_N, GROUPS) float32
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    compute_type: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
+):
+    """acc + a @ dequant(B).T over one K tile, int4 B unpacked from whole words (DOT_NIBBLES = "words").
+
+    Word i holds k = 8i + t in bits 4t .. 4t+3 (packing.py: low nibble first). One shift and one and
+    per word give the nibbles s and 4 + s of it in the two 16-bit halves, so B splits into eight
+    (BLOCK_N, BLOCK_K / 8) tiles, k = 8i + 4h + s, with no byte widening or interleave; A splits its
+    columns the same way and the tile is eight dots of BLOCK_K / 8. A scale group (>= 32 values) is
+    whole words, so each small tile keeps GROUPS groups of consecutive columns."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    a5 = tl.reshape(a, (BLOCK_M, WORDS, 2, 2, 2))  # k = 8i + 4h + 2*s1 + s0 as (m, i, h, s1, s0)
+    a_s0_0, a_s0_1 = tl.split(a5)  # (m, i, h, s1)
+    a_s0, a_s2 = tl.split(a_s0_0)  # s = 0, 2: (m, i, h)
+    a_s1, a_s3 = tl.split(a_s0_1)  # s = 1, 3
+    acc = _word_shift_dots(acc, a_s0, words, 0, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16)
+    acc = _word_shift_dots(acc, a_s1, words, 4, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16)
+    acc = _word_shift_dots(acc, a_s2, words, 8, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16)
+    return _word_shift_dots(acc, a_s3, words, 12, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16)

@@ -42,11 +42,32 @@ from vllm_wna16_plugin.kernels.triton.dequant import (
     _round_to,
     _unpack_b_tile,
     _unpack_zero_points,
+    _word_nibble_dots,
 )
 from vllm_wna16_plugin.kernels.triton.td_gate import TDDecision, decide_td, td_request_from_env
 
 ACTIVATIONS = ("silu", "gelu")
+
+
 # The per-pair kernel's widest K tile that keeps a (BLOCK_N, BLOCK_K) accumulator; wider tiles reduce each step.
+def _rows_on_words(qweight: torch.Tensor) -> bool:
+    """Every packed row of B starts on a 32-bit word (the int4 word forms load B as uint32)."""
+    return qweight.data_ptr() % 4 == 0 and all(x % 4 == 0 for x in qweight.stride()[:2])
+
+
+def _use_word_nibbles(bits: int, config: TritonMoEConfig, K: int, qweight: torch.Tensor, td: TDDecision) -> bool:
+    """DOT_NIBBLES == "words" and the tile can take it: int4, eight dots of BLOCK_K / 8 >= 16 each,
+    whole words per row (K % 8 == 0) on word-aligned rows, and B by pointer."""
+    return (
+        bits == 4
+        and DOT_NIBBLES == "words"
+        and config.BLOCK_SIZE_K >= 128
+        and K % 8 == 0
+        and not td.use_td_b
+        and _rows_on_words(qweight)
+    )
+
+
 PAIR_ACC_MAX_K = 256
 # How the per-pair (GEMV) kernel multiplies a K step: "fold" (dequant._folded_dot_step: float32
 # multiply-adds of the raw integers, scale and zero applied per group; 36% fewer instructions per
@@ -60,6 +81,9 @@ PAIR_STEP_MATH = "fold"
 # the K tile, nibbles interleaved back into k order). "split" is the default: 0.92-0.97x the time of
 # "interleave" on Mixtral-8x7B and DeepSeek-V2-Lite at M 4-64, within 2% elsewhere (same table).
 DOT_NIBBLES = "split"
+# "words" (dequant._word_nibble_dots): int4 B loaded as 32-bit words, unpacked by shifts into eight
+# tiles of K/8, eight dots per K tile; no byte widening. Pointer path only. Not measured yet (bench
+# provider plugin-triton-words); tiles it cannot take (BLOCK_K < 128, K % 8, TD) run "split".
 _COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AlignFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -256,6 +280,7 @@ def _fused_moe_wna16_kernel(
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
     SPLIT_NIBBLES: tl.constexpr,  # int4: two half-K dots instead of interleaving the nibbles (DOT_NIBBLES)
+    WORD_NIBBLES: tl.constexpr,  # int4: B as 32-bit words, eight dots of K/8 (DOT_NIBBLES "words"; pointer path)
 ):
     """C[p, :] = (w_p if MUL_ROUTED_WEIGHT) * A[p // top_k] @ dequant(B[e_p]).T for routed pairs p.
 
@@ -312,6 +337,8 @@ def _fused_moe_wna16_kernel(
         )
         a_rows32 = a_rows.to(tl.int32)
 
+    b_words = b_ptr.to(tl.pointer_type(tl.uint32))  # WORD_NIBBLES: rows are 4-byte aligned (the launcher checks)
+    offs_kw = tl.arange(0, BLOCK_KB // 4)
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, TILES_PER_SPLIT):
         k0 = (split * TILES_PER_SPLIT + k) * BLOCK_SIZE_K
@@ -319,7 +346,18 @@ def _fused_moe_wna16_kernel(
             a = a_desc.gather(a_rows32, k0)
         else:
             a = _load_a_tile_ptr(a_ptr, a_rows, pair_mask, offs_k, k0, K, stride_am, stride_ak, EVEN_K)
-        if SPLIT_NIBBLES:
+        if WORD_NIBBLES:
+            words = _load_b_tile(
+                b_words, b_desc, expert, offs_n, offs_kw, pid_n * BLOCK_SIZE_N, k0, KB // 4,
+                stride_be // 4, stride_bn // 4, BITS, BLOCK_SIZE_N, BLOCK_KB // 4, EVEN_K, False, 32,
+            )  # fmt: skip
+            scale, zero = _load_group_params(
+                s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
+                stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
+            )  # fmt: skip
+            acc = _word_nibble_dots(acc, a, words, scale, zero, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUPS,
+                                    compute_type, INTERPRET_BF16)  # fmt: skip
+        elif SPLIT_NIBBLES:
             # int4 without the interleave: low nibbles (even k) and high nibbles (odd k) each
             # dequantize to a (BLOCK_N, BLOCK_K / 2) tile, and meet the even and odd columns of A in
             # two dots of half the K. Both halves of a byte share its scale group.
@@ -646,7 +684,7 @@ def invoke_wna16_gemm(
             raise ValueError("BLOCK_SIZE_M=1 (per pair) needs topk_ids and a row-contiguous c")
         grid = (num_pairs, triton.cdiv(N, config.BLOCK_SIZE_N), split)
         # the folded int4 step reads B as 32-bit words: every row must start on a word
-        words_ok = bits == 8 or (qweight.data_ptr() % 4 == 0 and all(x % 4 == 0 for x in qweight.stride()[:2]))
+        words_ok = bits == 8 or _rows_on_words(qweight)
         fold = PAIR_STEP_MATH == "fold" and words_ok
         _fused_moe_wna16_pair_kernel[grid](
             topk_ids_ptr=topk_ids,
@@ -672,6 +710,7 @@ def invoke_wna16_gemm(
         stride_cn=c3.stride(2),
         EM_GRID=em_grid,
         SPLIT_NIBBLES=bits == 4 and DOT_NIBBLES == "split" and config.BLOCK_SIZE_K >= 32,
+        WORD_NIBBLES=_use_word_nibbles(bits, config, K, qweight, td),
         USE_TD_GATHER=td.use_gather,
         BLOCK_SIZE_M=bm,
         GROUP_SIZE_M=config.GROUP_SIZE_M,

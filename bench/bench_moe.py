@@ -192,6 +192,7 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
 TRITON_FORMS = {
     "plugin-triton-tile": {"PAIR_STEP_MATH": "tile", "DOT_NIBBLES": "interleave"},
     "plugin-triton-words": {"DOT_NIBBLES": "words"},
+    "plugin-triton-words-fold": {"DOT_NIBBLES": "words-fold"},
 }
 
 

@@ -448,11 +448,13 @@ def test_one_hot_probe_scale_vectors_every_group_size(bits, zp, gs, K, bk, dtype
         pytest.param(True, -1, 384, 256, BF16, id="channelwise-K384-tail128"),
     ],
 )
-def test_word_nibbles_one_hot_probe(zp, gs, K, bk, dtype, monkeypatch):
+@pytest.mark.parametrize("form", ["words", "words-fold"])
+def test_word_nibbles_one_hot_probe(zp, gs, K, bk, dtype, form, monkeypatch):
     """DOT_NIBBLES = "words": x = eye(K) reads back every column of dequant(W_e) exactly, so each of
-    the eight (word, nibble) tiles must land on its own k = 8i + 4h + s, with its group's scale."""
+    the eight (word, nibble) tiles must land on its own k = 8i + 4h + s, with its group's scale
+    ("words-fold", where one group spans the tile: s * (q' - off) in float32, rounded once: exact)."""
     E, N = 2, 32
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", form)
     kw = quantized_experts(E, N, K, 4, gs, zp, dtype, torch.Generator().manual_seed(29))
     assert fused_moe._use_word_nibbles(4, Cfg(16, 32, bk), K, kw.qweight, POINTERS)
     ids = torch.full((K, 1), 1, dtype=torch.int32)
@@ -465,12 +467,21 @@ def test_word_nibbles_one_hot_probe(zp, gs, K, bk, dtype, monkeypatch):
     assert torch.equal(c, want), (c.float() - want.float()).abs().max()
 
 
-def test_word_nibbles_whole_moe_matches_reference(monkeypatch):
-    """Both GEMMs in the words form, K=1344 (a 64-wide tail under BLOCK_SIZE_K=128), gs32, zero points."""
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
-    p = make_moe_problem(M=3, H=1344, inter=128, E=4, top_k=2, bits=4, gs1=32, gs2=32, zp=True, seed=31)
+@pytest.mark.parametrize(
+    "form,H,gs,dtype",
+    [
+        pytest.param("words", 1344, 32, BF16, id="words-K1344-gs32"),  # a 64-wide K tail under BLOCK_SIZE_K=128
+        pytest.param("words-fold", 1408, 128, BF16, id="words-fold-gs128"),  # one group per 128-wide tile: folded
+        pytest.param("words-fold", 1344, -1, FP16, id="words-fold-channelwise-K1344-fp16"),  # q' = 1024 + q, tail
+        pytest.param("words-fold", 1344, 32, BF16, id="words-fold-gs32-not-folded"),  # four groups per tile
+    ],
+)
+def test_word_nibbles_whole_moe_matches_reference(form, H, gs, dtype, monkeypatch):
+    """Both GEMMs in the words forms, with zero points."""
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", form)
+    p = make_moe_problem(M=3, H=H, inter=128, E=4, top_k=2, bits=4, gs1=gs, gs2=gs, zp=True, dtype=dtype, seed=31)
     out, ref = run_both(p, configs=Cfg(16, 32, 128), use_td=False)
-    assert_close_scaled(out, ref, BF16, "words form, K=1344")
+    assert_close_scaled(out, ref, dtype, f"{form} form, K={H}, gs{gs}")
 
 
 def test_word_nibbles_only_where_the_tile_takes_them(monkeypatch):
@@ -483,6 +494,8 @@ def test_word_nibbles_only_where_the_tile_takes_them(monkeypatch):
     assert not use(4, Cfg(16, 32, 128), 124, q, POINTERS)  # rows end mid-word
     assert not use(4, Cfg(16, 32, 128), 128, q, TDDecision(True, False, "test: TD"))  # B by descriptor
     assert not use(4, Cfg(16, 32, 128), 128, torch.zeros(2, 32, 65, dtype=torch.uint8)[..., 1:], POINTERS)
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words-fold")
+    assert use(4, Cfg(16, 32, 128), 128, q, POINTERS)
     monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "split")
     assert not use(4, Cfg(16, 32, 128), 128, q, POINTERS)
 
@@ -707,10 +720,13 @@ sm, bits, td, gather, even_k, pair = (int(v) for v in sys.argv[1:7])
 kernel = fused_moe._fused_moe_wna16_pair_kernel if pair else fused_moe._fused_moe_wna16_kernel
 K, N, gs, bk = (2048, 1536, 32, 256) if even_k else (1344, 1536, 32, 128)
 bk = int(sys.argv[7]) if len(sys.argv) > 7 and int(sys.argv[7]) else bk  # a K tile wider than the default
-# the form: per pair 1 = the folded step; tl.dot 1 = split nibbles, 2 = word nibbles; else the module default
-default_form = (fused_moe.PAIR_STEP_MATH == "fold") if pair else {"split": 1, "words": 2}.get(fused_moe.DOT_NIBBLES, 0)
+# the form: per pair 1 = the folded step; tl.dot 1 = split nibbles, 2 = word nibbles, 3 = words folded
+# (one scale group per K tile: group size = BLOCK_K); else the module default
+forms = {"split": 1, "words": 2, "words-fold": 3}
+default_form = (fused_moe.PAIR_STEP_MATH == "fold") if pair else forms.get(fused_moe.DOT_NIBBLES, 0)
 form = int(sys.argv[8]) if len(sys.argv) > 8 else int(default_form)
 fold = bool(form)
+gs = bk if form == 3 else gs
 ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8", topk_weights_ptr="*fp32",
             sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
             topk_ids_ptr="*i32", expert_map_ptr="*i32")
@@ -719,7 +735,7 @@ consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, grou
               EVEN_K=bool(even_k), USE_TD=bool(td), USE_TD_GATHER=bool(gather), SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
               compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=bk,
               GROUP_SIZE_M=1, FOLD_SCALES=fold, REDUCE_EACH_STEP=fold or bk > fused_moe.PAIR_ACC_MAX_K,
-              SPLIT_NIBBLES=form == 1, WORD_NIBBLES=form == 2)
+              SPLIT_NIBBLES=form == 1, WORD_NIBBLES=form in (2, 3), WORD_FOLD=form == 3)
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 divisible = ("stride_am", "stride_be", "stride_bn", "stride_cm", "stride_cs", "stride_se", "stride_ze", "stride_zn")
 sig, attrs = {}, {}
@@ -805,11 +821,15 @@ def test_split_nibble_dot_kernel_compiles_for_sm90(even_k):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("even_k", [1, 0])
-def test_word_nibble_dot_kernel_compiles_for_sm90(even_k):
-    # eight dots of K/8 per step from 32-bit words: still 16-byte async B loads, dequant in bf16
-    # math, no int->float converts
-    tags = _compile_for_gpu(90, 4, 0, 0, even_k, 0, 0, 2)
-    assert {"CPASYNC16", "BF16MATH", "I2F=0"} <= tags, tags
+@pytest.mark.parametrize("form", [2, 3], ids=["words", "words-fold"])
+def test_word_nibble_dot_kernel_compiles_for_sm90(even_k, form):
+    # eight dots of K/8 per step from 32-bit words: still 16-byte async B loads, no int->float
+    # converts per weight (folded: only the zero points', one per row of the step); dequant in bf16
+    # math (folded: no per-weight math, the scale goes to the tile's sum)
+    tags = _compile_for_gpu(90, 4, 0, 0, even_k, 0, 0, form)
+    assert "CPASYNC16" in tags, tags
+    assert int(next(t for t in tags if t.startswith("I2F=")).split("=")[1]) <= (0 if form == 2 else 8), tags
+    assert ("BF16MATH" in tags) == (form == 2), tags
 
 
 @pytest.mark.slow

@@ -60,7 +60,7 @@ def _use_word_nibbles(bits: int, config: TritonMoEConfig, K: int, qweight: torch
     whole words per row (K % 8 == 0) on word-aligned rows, and B by pointer."""
     return (
         bits == 4
-        and DOT_NIBBLES == "words"
+        and DOT_NIBBLES in ("words", "words-fold")
         and config.BLOCK_SIZE_K >= 128
         and K % 8 == 0
         and not td.use_td_b
@@ -82,8 +82,10 @@ PAIR_STEP_MATH = "fold"
 # "interleave" on Mixtral-8x7B and DeepSeek-V2-Lite at M 4-64, within 2% elsewhere (same table).
 DOT_NIBBLES = "split"
 # "words" (dequant._word_nibble_dots): int4 B loaded as 32-bit words, unpacked by shifts into eight
-# tiles of K/8, eight dots per K tile; no byte widening. Pointer path only. Not measured yet (bench
-# provider plugin-triton-words); tiles it cannot take (BLOCK_K < 128, K % 8, TD) run "split".
+# tiles of K/8, eight dots per K tile; no byte widening. Pointer path only. "words-fold": the same,
+# and where one scale group spans the K tile, scale and zero applied to the tile's float32 sum
+# instead of each weight. Neither is measured yet (bench providers plugin-triton-words, -words-fold);
+# tiles they cannot take (BLOCK_K < 128, K % 8, TD) run "split".
 _COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AlignFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -281,6 +283,7 @@ def _fused_moe_wna16_kernel(
     GROUP_SIZE_M: tl.constexpr,
     SPLIT_NIBBLES: tl.constexpr,  # int4: two half-K dots instead of interleaving the nibbles (DOT_NIBBLES)
     WORD_NIBBLES: tl.constexpr,  # int4: B as 32-bit words, eight dots of K/8 (DOT_NIBBLES "words"; pointer path)
+    WORD_FOLD: tl.constexpr,  # with WORD_NIBBLES and GROUPS == 1: scale/zero on the tile's sum ("words-fold")
 ):
     """C[p, :] = (w_p if MUL_ROUTED_WEIGHT) * A[p // top_k] @ dequant(B[e_p]).T for routed pairs p.
 
@@ -356,7 +359,7 @@ def _fused_moe_wna16_kernel(
                 stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
             )  # fmt: skip
             acc = _word_nibble_dots(acc, a, words, scale, zero, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUPS,
-                                    compute_type, INTERPRET_BF16)  # fmt: skip
+                                    compute_type, INTERPRET_BF16, WORD_FOLD)  # fmt: skip
         elif SPLIT_NIBBLES:
             # int4 without the interleave: low nibbles (even k) and high nibbles (odd k) each
             # dequantize to a (BLOCK_N, BLOCK_K / 2) tile, and meet the even and odd columns of A in
@@ -711,6 +714,9 @@ def invoke_wna16_gemm(
         EM_GRID=em_grid,
         SPLIT_NIBBLES=bits == 4 and DOT_NIBBLES == "split" and config.BLOCK_SIZE_K >= 32,
         WORD_NIBBLES=_use_word_nibbles(bits, config, K, qweight, td),
+        WORD_FOLD=_use_word_nibbles(bits, config, K, qweight, td)
+        and DOT_NIBBLES == "words-fold"
+        and config.BLOCK_SIZE_K <= group_size,
         USE_TD_GATHER=td.use_gather,
         BLOCK_SIZE_M=bm,
         GROUP_SIZE_M=config.GROUP_SIZE_M,

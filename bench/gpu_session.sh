@@ -60,17 +60,18 @@ for step in "$@"; do
     # vLLM inspects lazily registered models in `python -m vllm.model_executor.models.registry`: its stderr
     inspect) timeout 120 python3 -c "import vllm.model_executor.models.registry as r; print('inspection subprocess:', r._run_in_subprocess(lambda: 'ok'))" 2>&1 | grep -v "^INFO\|^WARNING" | tail -30 ;;
     tests) eval "timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rs ${TESTS_ARGS:-}" 2>&1 | grep --line-buffered -v "^INFO\|^WARNING" | tee "$OUT/gpu_tests.log" | tail -25 || rc=1 ;;
-    # one pytest per GPU test file, side by side (the Triton compiles spread over the 16 cores)
+    # the GPU kernel tests in three pytest processes side by side (the Triton compiles spread over the
+    # 16 cores): the CUDA ops, and the backend tests split into their Triton and other halves
     tests-par) pids=()
-               for f in tests/kernels/test_*_gpu.py; do
-                 n=$(basename "$f" .py)
-                 ( eval "timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu $f -p no:cacheprovider -rs ${TESTS_ARGS:-}" 2>&1 \
-                     | grep -v "^INFO\|^WARNING" >"$OUT/$n.log"; exit "${PIPESTATUS[0]}" ) & pids+=($!)
+               shards=("cuda_ops|tests/kernels/test_cuda_ops_gpu.py|" "backends_triton|tests/kernels/test_backends_gpu.py|-k triton"
+                       "backends_other|tests/kernels/test_backends_gpu.py|-k 'not triton'")
+               for shard in "${shards[@]}"; do
+                 IFS='|' read -r n f sel <<<"$shard"
+                 ( eval "timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu $f $sel -p no:cacheprovider -rs ${TESTS_ARGS:-}" 2>&1 \
+                     | grep -v "^INFO\|^WARNING" >"$OUT/gpu_tests_$n.log"; exit "${PIPESTATUS[0]}" ) & pids+=($!)
                done
                for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-               for f in "$OUT"/test_*_gpu.log; do echo "== $(basename "$f")"; grep -E "FAILED|Error|passed|failed" "$f" | tail -12; done ;;
-    e2e) export E2E_RECORD="$OUT/e2e-record.jsonl"
-         eval "timeout ${E2E_TIMEOUT:-540} python3 -m pytest -q -m gpu ${E2E_PATHS:-tests/e2e} -p no:cacheprovider -rsx ${E2E_ARGS:-}" 2>&1 | grep --line-buffered -v "^WARNING" | tee "$OUT/e2e.log" | tail -40 || rc=1 ;;
+               for f in "$OUT"/gpu_tests_*.log; do echo "== $(basename "$f")"; grep -E "FAILED|Error|passed|failed" "$f" | tail -12; done ;;
     # the whole tier in one call: test_llm_generate.py (its runs E2E_JOBS at a time) beside the other
     # modules (serve, bad input, TP), two pytest processes, each with its own log and record
     e2e-par) pids=()

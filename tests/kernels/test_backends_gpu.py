@@ -30,15 +30,16 @@ CASES = [
     pytest.param(1024, 512, 8, 2, 8, 128, False, id="int8-gs128"),
     pytest.param(1024, 512, 8, 2, 8, -1, True, id="int8-channelwise-zp"),
 ]
-# The Triton kernel's other forms, on the GPU's own arithmetic: triton-tile the former defaults (the
-# per-pair "tile" step is still the fallback for int4 rows off a 32-bit word); triton-words the word
-# form of the tl.dot kernel, not yet measured, whose bf16 magic the interpreter cannot run
+# The Triton kernel's other forms, on the GPU's own arithmetic (plain "triton" runs the default policy,
+# words on wide K tiles): triton-tile the first defaults (the per-pair "tile" step is still the fallback
+# for int4 rows off a 32-bit word), triton-split the split dot everywhere, triton-words-fold the folded
+# word form, whose bf16 magic the interpreter cannot run
 TRITON_FORMS = {
     "triton-tile": {"PAIR_STEP_MATH": "tile", "DOT_NIBBLES": "interleave"},
-    "triton-words": {"DOT_NIBBLES": "words"},
+    "triton-split": {"DOT_NIBBLES": "split"},
     "triton-words-fold": {"DOT_NIBBLES": "words-fold"},
 }
-BACKENDS = ["triton", "triton-td", "triton-tile", "triton-words", "triton-words-fold", "cuda", "vllm_cuda", "marlin"]
+BACKENDS = ["triton", "triton-td", "triton-tile", "triton-split", "triton-words-fold", "cuda", "vllm_cuda", "marlin"]
 
 
 @pytest.mark.parametrize("M", [1, 33, 300])

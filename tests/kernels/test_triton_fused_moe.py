@@ -63,14 +63,29 @@ CASES = [
     pytest.param(
         6, 64, 32, 8, 8, 4, 32, 32, True, FP16, Cfg(4, 16, 32, GROUP_SIZE_M=4), id="int4-topk8-E8-BM4-grouped"
     ),
+    # a 128-row tile with a 256-wide N tile (the tuner's prefill candidates): 160 pairs over 2 experts
+    pytest.param(
+        80,
+        64,
+        128,
+        2,
+        2,
+        4,
+        32,
+        32,
+        True,
+        BF16,
+        Cfg(128, 256, 64, GROUP_SIZE_M=8, num_warps=8),
+        id="int4-asym-BM128-BN256",
+    ),  # fmt: skip
     # a single token (decode), default config
     pytest.param(1, 128, 64, 8, 2, 4, 64, 64, True, BF16, None, id="int4-M1-default-config"),
 ]
 
 
-@pytest.fixture(params=["interleave", "split"])
+@pytest.fixture(params=["auto", "split"])
 def dot_nibbles(request, monkeypatch):
-    """Both ways the tl.dot kernel feeds int4 to the dot (fused_moe.DOT_NIBBLES)."""
+    """The default policy (words on K tiles >= 128, interleave on narrower ones) and the split form."""
     monkeypatch.setattr(fused_moe, "DOT_NIBBLES", request.param)
     return request.param
 
@@ -498,6 +513,33 @@ def test_word_nibbles_only_where_the_tile_takes_them(monkeypatch):
     assert use(4, Cfg(16, 32, 128), 128, q, POINTERS)
     monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "split")
     assert not use(4, Cfg(16, 32, 128), 128, q, POINTERS)
+    # tiles whose A or accumulator passes 32 elements per lane: the eight K/8 dots spill
+    assert use(4, Cfg(16, 128, 256), 256, q, POINTERS, "words")
+    assert not use(4, Cfg(32, 128, 256), 256, q, POINTERS, "words")  # A: 32 x 256 over 128 lanes
+    assert not use(4, Cfg(32, 256, 128), 256, q, POINTERS, "words")  # accumulator: 32 x 256
+    assert use(4, Cfg(32, 128, 256, num_warps=8), 256, q, POINTERS, "words")  # 256 lanes
+
+
+@pytest.mark.parametrize(
+    "nibbles,bits,cfg,td,want",
+    [
+        pytest.param("auto", 4, Cfg(16, 128, 256), POINTERS, "words", id="auto-wide-tile-words"),
+        pytest.param("auto", 4, Cfg(16, 64, 128), POINTERS, "words", id="auto-128-tile-words"),
+        pytest.param("auto", 4, Cfg(32, 64, 64), POINTERS, "interleave", id="auto-64-tile-interleave"),
+        pytest.param("auto", 4, Cfg(32, 128, 256), POINTERS, "split", id="auto-spilling-tile-split"),
+        pytest.param("auto", 4, Cfg(16, 128, 256), TDDecision(True, False, "test"), "split", id="auto-td-split"),
+        pytest.param("auto", 8, Cfg(16, 128, 256), POINTERS, "interleave", id="auto-int8-plain"),
+        pytest.param("words", 4, Cfg(16, 64, 64), POINTERS, "split", id="words-narrow-tile-split"),
+        pytest.param("words-fold", 4, Cfg(16, 64, 128), POINTERS, "words-fold", id="words-fold-one-group"),
+        pytest.param("words-fold", 4, Cfg(16, 64, 256), POINTERS, "words", id="words-fold-two-groups-words"),
+        pytest.param("split", 4, Cfg(16, 64, 16), POINTERS, "interleave", id="split-needs-k32"),
+        pytest.param("interleave", 4, Cfg(16, 128, 256), POINTERS, "interleave", id="interleave-forced"),
+    ],
+)
+def test_dot_form_policy(nibbles, bits, cfg, td, want, monkeypatch):
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", nibbles)
+    q = torch.zeros(2, 32, 128 * bits // 8, dtype=torch.uint8)
+    assert fused_moe._dot_form(bits, cfg, 256, 128, q, td) == want
 
 
 # ---------------------------------------------------------------- activation and top-k sum kernels
@@ -725,6 +767,7 @@ bk = int(sys.argv[7]) if len(sys.argv) > 7 and int(sys.argv[7]) else bk  # a K t
 forms = {"split": 1, "words": 2, "words-fold": 3}
 default_form = (fused_moe.PAIR_STEP_MATH == "fold") if pair else forms.get(fused_moe.DOT_NIBBLES, 0)
 form = int(sys.argv[8]) if len(sys.argv) > 8 else int(default_form)
+bm, bn, warps = (int(v) for v in sys.argv[9:12]) if len(sys.argv) > 11 else (16, 64, 4)
 fold = bool(form)
 gs = bk if form == 3 else gs
 ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8", topk_weights_ptr="*fp32",
@@ -733,7 +776,7 @@ ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8
 consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, group_size=gs,
               NUM_GROUPS=K // gs, GROUPS=bk // gs, top_k=8, BITS=bits, HAS_ZP=True, MUL_ROUTED_WEIGHT=True,
               EVEN_K=bool(even_k), USE_TD=bool(td), USE_TD_GATHER=bool(gather), SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
-              compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=bk,
+              compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk,
               GROUP_SIZE_M=1, FOLD_SCALES=fold, REDUCE_EACH_STEP=fold or bk > fused_moe.PAIR_ACC_MAX_K,
               SPLIT_NIBBLES=form == 1, WORD_NIBBLES=form in (2, 3), WORD_FOLD=form == 3)
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
@@ -744,8 +787,16 @@ for i, name in enumerate(kernel.arg_names):
     if name in ptrs or name in divisible:
         attrs[(i,)] = [["tt.divisibility", 16]]  # what the JIT infers for 16-divisible launch arguments
 src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-ptx = triton.compile(src, target=GPUTarget("cuda", sm, 32), options=dict(num_warps=4, num_stages=4)).asm["ptx"]
+compiled = triton.compile(src, target=GPUTarget("cuda", sm, 32), options=dict(num_warps=warps, num_stages=4))
+ptx = compiled.asm["ptx"]
 tags = []
+if len(sys.argv) > 11:  # local-memory stores and loads (register spills) in the SASS, by Triton's nvdisasm
+    import subprocess, tempfile
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"]); f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    tags.append("LOCAL=%d" % len(re.findall(r"\b(?:STL|LDL)\b", sass)))
 if "cp.async.bulk.tensor" in ptx: tags.append("TMA")
 if "gather4" in ptx: tags.append("GATHER4")
 if re.search(r"cp[.]async[.]cg[.]shared[.]global[^;]*, 0x10", ptx): tags.append("CPASYNC16")
@@ -830,6 +881,24 @@ def test_word_nibble_dot_kernel_compiles_for_sm90(even_k, form):
     assert "CPASYNC16" in tags, tags
     assert int(next(t for t in tags if t.startswith("I2F=")).split("=")[1]) <= (0 if form == 2 else 8), tags
     assert ("BF16MATH" in tags) == (form == 2), tags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "bm,bn,bk,warps",
+    [
+        pytest.param(16, 128, 256, 4, id="16x128x256"),  # the small-M tile of the tuned entries
+        pytest.param(32, 64, 128, 4, id="32x64x128"),
+        pytest.param(32, 128, 256, 4, id="32x128x256-spills"),  # past the bound: the control
+    ],
+)
+def test_word_nibble_tiles_within_the_register_bound_do_not_spill(bm, bn, bk, warps):
+    # _word_tile_fits is a rule fitted to the sm90 SASS; this checks it against ptxas on both sides:
+    # a tile it takes compiles without register spills, and the one it refuses does spill
+    fits = fused_moe._word_tile_fits(Cfg(bm, bn, bk, num_warps=warps))
+    tags = _compile_for_gpu(90, 4, 0, 0, 1, 0, bk, 2, bm, bn, warps)
+    local = int(next(t for t in tags if t.startswith("LOCAL=")).split("=")[1])
+    assert (local <= 4) == fits, (fits, tags)
 
 
 @pytest.mark.slow

@@ -55,17 +55,55 @@ def _rows_on_words(qweight: torch.Tensor) -> bool:
     return qweight.data_ptr() % 4 == 0 and all(x % 4 == 0 for x in qweight.stride()[:2])
 
 
-def _use_word_nibbles(bits: int, config: TritonMoEConfig, K: int, qweight: torch.Tensor, td: TDDecision) -> bool:
-    """DOT_NIBBLES == "words" and the tile can take it: int4, eight dots of BLOCK_K / 8 >= 16 each,
-    whole words per row (K % 8 == 0) on word-aligned rows, and B by pointer."""
+def _word_tile_fits(config: TritonMoEConfig) -> bool:
+    """The words form's tile stays in registers: at most 32 elements of the A tile and 32 of the
+    float32 accumulator per lane. Beyond that the eight K/8 dots spill (sm90 SASS, bench/sass_cost.py):
+    32x128x256 on 4 warps (A 64 per lane) had 93 local loads per K step and took 1.5x the split form's
+    time on Mixtral-8x7B at M=64 (bench/results/h200/2026-12-03-c5ff782-words-forms.md); 32x256x128
+    (accumulator 64) spilled 34. Every tile within the bound compiled without a spill worth one load."""
+    lanes = 32 * config.num_warps
+    return (
+        config.BLOCK_SIZE_M * config.BLOCK_SIZE_K <= 32 * lanes
+        and config.BLOCK_SIZE_M * config.BLOCK_SIZE_N <= 32 * lanes
+    )
+
+
+def _use_word_nibbles(
+    bits: int, config: TritonMoEConfig, K: int, qweight: torch.Tensor, td: TDDecision, form: str | None = None
+) -> bool:
+    """`form` (default DOT_NIBBLES) is a words form and the tile can take it: int4, eight dots of
+    BLOCK_K / 8 >= 16 each, whole words per row (K % 8 == 0) on word-aligned rows, B by pointer, and
+    a tile that fits the registers (_word_tile_fits)."""
     return (
         bits == 4
-        and DOT_NIBBLES in ("words", "words-fold")
+        and (form or DOT_NIBBLES) in ("words", "words-fold")
         and config.BLOCK_SIZE_K >= 128
         and K % 8 == 0
         and not td.use_td_b
         and _rows_on_words(qweight)
+        and _word_tile_fits(config)
     )
+
+
+def _dot_form(
+    bits: int, config: TritonMoEConfig, K: int, group_size: int, qweight: torch.Tensor, td: TDDecision
+) -> str:
+    """The form this launch of the tl.dot kernel feeds B to the dot in (DOT_NIBBLES says which).
+
+    "auto": "words" on K tiles of 128 and more, "interleave" on narrower ones (see DOT_NIBBLES). A words
+    form the tile cannot take (_use_word_nibbles) runs "split", which any int4 tile with BLOCK_K >= 32
+    takes; "words-fold" needs one scale group per K tile. int8 has no nibbles ("interleave": plain tiles).
+    """
+    if bits != 4:
+        return "interleave"
+    want = DOT_NIBBLES
+    if want == "auto":
+        want = "words" if config.BLOCK_SIZE_K >= 128 else "interleave"
+    if want in ("words", "words-fold"):
+        if _use_word_nibbles(bits, config, K, qweight, td, want):
+            return "words-fold" if want == "words-fold" and config.BLOCK_SIZE_K <= group_size else "words"
+        want = "split"
+    return "split" if want == "split" and config.BLOCK_SIZE_K >= 32 else "interleave"
 
 
 PAIR_ACC_MAX_K = 256
@@ -76,16 +114,22 @@ PAIR_ACC_MAX_K = 256
 # 0.62-0.85x the time of "tile" at M <= 8 on all five benchmark shapes (bench/results/h200/
 # 2026-12-03-09163a5-lean-forms.md). "tile" remains for int4 rows that do not start on a 32-bit word.
 PAIR_STEP_MATH = "fold"
-# How the tl.dot kernel feeds int4 to the tensor cores: "split" (two dots of half the K: low nibbles
-# with A's even columns, high nibbles with its odd ones; no interleave) or "interleave" (one dot over
-# the K tile, nibbles interleaved back into k order). "split" is the default: 0.92-0.97x the time of
-# "interleave" on Mixtral-8x7B and DeepSeek-V2-Lite at M 4-64, within 2% elsewhere (same table).
-DOT_NIBBLES = "split"
-# "words" (dequant._word_nibble_dots): int4 B loaded as 32-bit words, unpacked by shifts into eight
-# tiles of K/8, eight dots per K tile; no byte widening. Pointer path only. "words-fold": the same,
-# and where one scale group spans the K tile, scale and zero applied to the tile's float32 sum
-# instead of each weight. Neither is measured yet (bench providers plugin-triton-words, -words-fold);
-# tiles they cannot take (BLOCK_K < 128, K % 8, TD) run "split".
+# How the tl.dot kernel feeds int4 to the tensor cores (_dot_form decides per launch):
+#   "interleave"  one dot over the K tile, nibbles interleaved back into k order;
+#   "split"       two dots of half the K: low nibbles with A's even columns, high with its odd ones;
+#   "words"       (dequant._word_nibble_dots) B loaded as 32-bit words, one and-or per shift makes
+#                 eight tiles of K/8, eight dots per K tile, no byte widening; pointer path only;
+#   "words-fold"  "words", with scale and zero applied to the tile's float32 sum where one scale group
+#                 spans the K tile;
+#   "auto"        (default) "words" on K tiles of >= 128 ("split" where the tile cannot take words:
+#                 TD, rows off 32-bit words, a tile past _word_tile_fits), "interleave" on narrower ones.
+# The H200 measurement behind "auto" (bench/results/h200/2026-12-03-c5ff782-words-forms.md, four shapes
+# x M 8-256, same run): on 128/256-wide K tiles "words" took 0.89-0.99x the time of "split" at M 16-64
+# and 0.97-1.02x at M = 8 (one tile that spilled took 1.5x: _word_tile_fits); on 64-wide tiles (the M = 256 entries, the channel-wise shape's) "interleave"
+# took 0.92-0.93x of "split" at M = 256 (the words provider ran them as "interleave"); "words-fold" was
+# no faster than "words" anywhere, and slower at M 16-64. Earlier (09163a5-lean-forms.md) "split" took
+# 0.92-0.97x of "interleave" on 128/256-wide tiles. The single-form values stay for tests and benchmarks.
+DOT_NIBBLES = "auto"
 _COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AlignFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -703,6 +747,7 @@ def invoke_wna16_gemm(
     # At most num_pairs non-empty M-blocks exist, so blocks past num_pairs * BLOCK_SIZE_M are never live.
     em_grid = min(sorted_token_ids.numel(), num_pairs * bm)
     grid = (triton.cdiv(em_grid, bm) * triton.cdiv(N, bn), split)
+    form = _dot_form(bits, config, K, group_size, qweight, td)
     _fused_moe_wna16_kernel[grid](
         sorted_token_ids_ptr=sorted_token_ids,
         expert_ids_ptr=expert_ids,
@@ -712,11 +757,9 @@ def invoke_wna16_gemm(
         stride_ak=a.stride(1),
         stride_cn=c3.stride(2),
         EM_GRID=em_grid,
-        SPLIT_NIBBLES=bits == 4 and DOT_NIBBLES == "split" and config.BLOCK_SIZE_K >= 32,
-        WORD_NIBBLES=_use_word_nibbles(bits, config, K, qweight, td),
-        WORD_FOLD=_use_word_nibbles(bits, config, K, qweight, td)
-        and DOT_NIBBLES == "words-fold"
-        and config.BLOCK_SIZE_K <= group_size,
+        SPLIT_NIBBLES=form == "split",
+        WORD_NIBBLES=form in ("words", "words-fold"),
+        WORD_FOLD=form == "words-fold",
         USE_TD_GATHER=td.use_gather,
         BLOCK_SIZE_M=bm,
         GROUP_SIZE_M=config.GROUP_SIZE_M,

@@ -1,0 +1,53 @@
+"""bench/tune.py's candidate space (CPU): which tiles the H200 tuner times, and that each is legal."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
+
+
+@pytest.fixture(scope="module")
+def tune():
+    path = Path(__file__).resolve().parents[1] / "bench" / "tune.py"
+    spec = importlib.util.spec_from_file_location("wna16_tune", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["wna16_tune"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("wna16_tune", None)
+
+
+@pytest.mark.parametrize(
+    "M,E,top_k,want,never",
+    [
+        pytest.param(1, 128, 8, {1}, {16, 32, 64, 128}, id="decode-per-pair-only"),
+        pytest.param(8, 8, 2, {1, 16}, {128}, id="mixtral-M8-per-pair-and-16"),
+        pytest.param(1024, 128, 8, {32, 64}, {1, 128}, id="M1024-64-tokens-per-expert"),
+        pytest.param(4096, 128, 8, {64, 128}, {1, 16}, id="M4096-prefill-128-rows"),
+        pytest.param(8192, 8, 2, {64, 128}, {1}, id="mixtral-prefill-128-rows"),
+    ],
+)
+def test_row_tiles_follow_tokens_per_expert(tune, M, E, top_k, want, never):
+    got = set(tune.block_m_choices(M, E, top_k))
+    assert want <= got and not (never & got), (got, M * top_k / expected_experts_hit(M * top_k, E))
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "qwen3.5-35b-a3b", "mixtral-8x7b", "ct-channelwise"])
+@pytest.mark.parametrize("M", [1, 16, 4096])
+def test_stage_a_candidates_are_legal_launch_configs(tune, shape, M):
+    s = tune.NAMED[shape]
+    for N, K in ((2 * s.I, s.H), (s.H, s.I)):
+        gs = K if s.gs == -1 else s.gs
+        cands = tune.stage_a(M, s.E, N, K, s.top_k, gs, s.bits)
+        assert cands, (shape, M)
+        for cfg in cands:
+            cfg.check_shape(K, gs)  # raises on a K tile the group size does not divide
+            if cfg.BLOCK_SIZE_M * cfg.BLOCK_SIZE_N >= 128 * 128:
+                assert cfg.BLOCK_SIZE_K <= 64, cfg  # big row tiles spend shared memory on stages
+        if M == 4096:
+            assert any(c.BLOCK_SIZE_M == 128 and c.BLOCK_SIZE_N == 256 for c in cands), cands

@@ -58,6 +58,24 @@ WORKLOADS = [  # (name, prompts, prompt tokens, output tokens)
 REPEATS = 5  # timed passes per workload after an untimed one; the table shows the median
 
 
+def prefill_kernels(llm, prompts, sampling_params, top: int = 8) -> list[dict]:
+    """The GPU kernels of one prefill workload pass under torch.profiler, by total device time: which
+    kernels a provider's prefill spends its time in (the engine runs in this process)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    _, n, plen, olen = next(w for w in WORKLOADS if w[0] == "prefill")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts(n, plen), sampling_params(max_tokens=olen, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)  # fmt: skip
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in rows)
+    return [{"kernel": e.key[:90], "calls": e.count, "ms": e.device_time_total / 1e3, "share": e.device_time_total / total}
+            for e in rows[:top]]  # fmt: skip
+
+
 def worker(spec_path: str, out_path: str) -> int:
     """One provider: LLM once; each workload once untimed, then REPEATS timed passes (median); JSON out."""
     import random
@@ -97,6 +115,8 @@ def worker(spec_path: str, out_path: str) -> int:
             generated = sum(len(o.outputs[0].token_ids) for o in outs)
             result["workloads"][name] = {"seconds": dt, "all_seconds": seconds, "output_tok_s": generated / dt,
                                          "input_tok_s": n * plen / dt}  # fmt: skip
+        if spec.get("profile_prefill"):
+            result["prefill_kernels"] = prefill_kernels(llm, prompts, SamplingParams)
         result["ok"] = True
     except Exception as exc:  # noqa: BLE001 - a provider that fails is a result
         result["ok"] = False
@@ -127,6 +147,13 @@ def render(results: list[dict], header: str) -> str:
             key = lambda name: "input_tok_s" if name == "prefill" else "output_tok_s"  # noqa: E731
             ratios = [base["workloads"][n][key(n)] / r["workloads"][n][key(n)] for n in names]
             lines.append(f"| {r['provider']} | " + " | ".join(f"{x:.2f}" for x in ratios) + " |")
+    for r in results:
+        if r.get("prefill_kernels"):
+            lines += ["", f"{r['provider']}: the prefill pass's top GPU kernels (torch.profiler)", "",
+                      "| kernel | calls | ms | share |", "|---|---|---|---|"]  # fmt: skip
+            lines += [
+                f"| `{k['kernel']}` | {k['calls']} | {k['ms']:.2f} | {k['share']:.0%} |" for k in r["prefill_kernels"]
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -145,6 +172,8 @@ def main() -> int:
     ap.add_argument("--attention-backend", default="TRITON_ATTN", help="'' = vLLM's choice")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per provider")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="timed passes per workload (median)")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="after the timed passes, one prefill pass under torch.profiler: its top kernels per provider")  # fmt: skip
     ap.add_argument("--torch-compile", action="store_true", help="vLLM's default compilation (slow start-up)")
     ap.add_argument("--quantize-attention", action="store_true",
                     help="quantize attention too (vLLM 0.26's in-tree moe_wna16 failed at load on such a GPTQ "
@@ -168,7 +197,7 @@ def main() -> int:
     for prov in args.providers.split(","):
         spec = dict(PROVIDERS[prov], provider=prov, model=str(ckpt), vocab=vocab,
                     attention_backend=args.attention_backend, torch_compile=args.torch_compile,
-                    repeats=args.repeats)  # fmt: skip
+                    repeats=args.repeats, profile_prefill=args.profile_prefill)  # fmt: skip
         spec_path, out_path = work / f"{prov}.spec.json", work / f"{prov}.out.json"
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ, TRITON_INTERPRET="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")

@@ -1,0 +1,37 @@
+"""bench/e2e.py's table (CPU): every provider's row, the ratios against plugin-auto, failures shown."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def load_e2e():
+    path = Path(__file__).resolve().parents[1] / "bench" / "e2e.py"
+    spec = importlib.util.spec_from_file_location("wna16_e2e_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))  # it imports bench_moe from its own directory
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def test_table_ratios_failures_and_prefill_kernels():
+    e2e = load_e2e()
+    names = [w[0] for w in e2e.WORKLOADS]
+
+    def run(provider, tok_s):
+        return {"provider": provider, "ok": True, "startup_s": 5.0,
+                "workloads": {n: {"output_tok_s": tok_s, "input_tok_s": 100 * tok_s} for n in names}}  # fmt: skip
+
+    auto = run("plugin-auto", 300.0)
+    auto["prefill_kernels"] = [{"kernel": "_fused_moe_wna16_kernel", "calls": 8, "ms": 12.5, "share": 0.4}]
+    table = e2e.render([auto, run("vllm-default", 200.0), {"provider": "vllm-moe_wna16", "ok": False,
+                                                           "error": "ValueError: no"}], "# t")  # fmt: skip
+    assert "| plugin-auto | 5 | 300 tok/s" in table
+    assert "| vllm-default | " + " | ".join(["1.50"] * len(names)) + " |" in table  # 300 / 200
+    assert "| vllm-moe_wna16 | failed: ValueError: no |" in table
+    assert "| `_fused_moe_wna16_kernel` | 8 | 12.50 | 40% |" in table

@@ -189,12 +189,11 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
 
 # Providers that time a Triton kernel form other than the default (fused_moe.PAIR_STEP_MATH, DOT_NIBBLES):
 # the dequantize-the-tile GEMV and the interleaved int4 dot (the defaults before 09163a5's measurement),
-# the split dot (the default before c5ff782's), and each words form wherever the tile takes it
+# the split dot (the default before c5ff782's), and the words dot wherever the tile takes it
 TRITON_FORMS = {
     "plugin-triton-tile": {"PAIR_STEP_MATH": "tile", "DOT_NIBBLES": "interleave"},
     "plugin-triton-split": {"DOT_NIBBLES": "split"},
     "plugin-triton-words": {"DOT_NIBBLES": "words"},
-    "plugin-triton-words-fold": {"DOT_NIBBLES": "words-fold"},
 }
 
 

@@ -50,9 +50,7 @@ consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, grou
               USE_TD=False, USE_TD_GATHER=False, SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
               compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk,
               GROUP_SIZE_M=1, FOLD_SCALES=bool(fold), REDUCE_EACH_STEP=bool(fold) or bk > fused_moe.PAIR_ACC_MAX_K,
-              SPLIT_NIBBLES=fold == 1, WORD_NIBBLES=fold in (2, 3), WORD_FOLD=fold == 3)  # `fold`: the form
-# (tl.dot: 1 split, 2 words, 3 words folded, which needs one group per K tile)
-assert fold != 3 or bk <= gs, "words-fold: one scale group per K tile"
+              SPLIT_NIBBLES=fold == 1, WORD_NIBBLES=fold == 2)  # `fold`: the form (tl.dot: 1 split, 2 words)
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 sig, attrs = {}, {}
 for i, name in enumerate(kernel.arg_names):
@@ -93,7 +91,7 @@ def disassemble(cubin: str) -> str:
 
 def triton_rows(tmp: str) -> list[str]:
     rows = []
-    # (label, bits, per pair, form (per pair: 1 folded; tl.dot: 1 split nibbles, 2 word nibbles, 3 words folded),
+    # (label, bits, per pair, form (per pair: 1 folded; tl.dot: 1 split nibbles, 2 word nibbles),
     # BLOCK_M, BLOCK_N, BLOCK_K, warps)
     for label, *cfg in [
         ("per-pair tile 1x64x256", 4, 1, 0, 1, 64, 256, 4),
@@ -108,7 +106,6 @@ def triton_rows(tmp: str) -> list[str]:
         ("tl.dot word nibbles 16x64x128", 4, 0, 2, 16, 64, 128, 4),
         ("tl.dot split nibbles 16x128x128", 4, 0, 1, 16, 128, 128, 4),
         ("tl.dot word nibbles 16x128x128", 4, 0, 2, 16, 128, 128, 4),
-        ("tl.dot word nibbles folded 16x128x128", 4, 0, 3, 16, 128, 128, 4),
     ]:
         bits, pair, fold, bm, bn, bk, warps = cfg
         out = os.path.join(tmp, f"{label.replace(' ', '_')}.cubin")

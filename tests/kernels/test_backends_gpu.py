@@ -32,14 +32,12 @@ CASES = [
 ]
 # The Triton kernel's other forms, on the GPU's own arithmetic (plain "triton" runs the default policy,
 # words on wide K tiles): triton-tile the first defaults (the per-pair "tile" step is still the fallback
-# for int4 rows off a 32-bit word), triton-split the split dot everywhere, triton-words-fold the folded
-# word form, whose bf16 magic the interpreter cannot run
+# for int4 rows off a 32-bit word), triton-split the split dot everywhere
 TRITON_FORMS = {
     "triton-tile": {"PAIR_STEP_MATH": "tile", "DOT_NIBBLES": "interleave"},
     "triton-split": {"DOT_NIBBLES": "split"},
-    "triton-words-fold": {"DOT_NIBBLES": "words-fold"},
 }
-BACKENDS = ["triton", "triton-td", "triton-tile", "triton-split", "triton-words-fold", "cuda", "vllm_cuda", "marlin"]
+BACKENDS = ["triton", "triton-td", "triton-tile", "triton-split", "cuda", "vllm_cuda", "marlin"]
 
 
 @pytest.mark.parametrize("M", [1, 33, 300])
@@ -102,7 +100,6 @@ def test_gpu_backend_captures_in_cuda_graph(backend):
     assert_backend_matches(backend, out.cpu(), ref, f"{backend} graph replay")
 
 
-@pytest.mark.parametrize("form", ["words", "words-fold"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("bk", [128, 256])
 @pytest.mark.parametrize(
@@ -113,15 +110,14 @@ def test_gpu_backend_captures_in_cuda_graph(backend):
         pytest.param(2816, 352, -1, True, id="channelwise-zp"),
     ],
 )
-def test_gpu_triton_words_form_on_wide_k_tiles(H, I, gs, zp, bk, dtype, form, monkeypatch):
-    """DOT_NIBBLES = "words" / "words-fold" where they engage (BLOCK_SIZE_K >= 128; folded where one
-    group spans the tile), with the GPU's bf16/fp16 magic."""
+def test_gpu_triton_words_form_on_wide_k_tiles(H, I, gs, zp, bk, dtype, monkeypatch):
+    """DOT_NIBBLES = "words" where it engages (BLOCK_SIZE_K >= 128), with the GPU's bf16/fp16 magic."""
     from vllm_wna16_plugin.kernels.triton import fused_moe
     from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig
     from vllm_wna16_plugin.kernels.triton.fused_moe import fused_moe_wna16_triton
     from vllm_wna16_plugin.kernels.triton.td_gate import TDDecision
 
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", form)
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
     p = make_moe_problem(M=40, H=H, I=I, E=8, top_k=2, bits=4, gs1=gs, zp=zp, dtype=dtype, seed=bk + H)
     args = [None if t is None else t.cuda() for t in p.args()]
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in p.kwargs().items()}
@@ -130,4 +126,4 @@ def test_gpu_triton_words_form_on_wide_k_tiles(H, I, gs, zp, bk, dtype, form, mo
     ref = fused_moe_wna16_ref(*args, **kw).cpu()
     out = fused_moe_wna16_triton(*args, **kw, configs=cfg, use_td=False)
     torch.cuda.synchronize()
-    assert_close_scaled(out.cpu(), ref, dtype, f"{form} form BLOCK_K={bk}")
+    assert_close_scaled(out.cpu(), ref, dtype, f"words form BLOCK_K={bk}")

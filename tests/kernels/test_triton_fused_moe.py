@@ -463,13 +463,11 @@ def test_one_hot_probe_scale_vectors_every_group_size(bits, zp, gs, K, bk, dtype
         pytest.param(True, -1, 384, 256, BF16, id="channelwise-K384-tail128"),
     ],
 )
-@pytest.mark.parametrize("form", ["words", "words-fold"])
-def test_word_nibbles_one_hot_probe(zp, gs, K, bk, dtype, form, monkeypatch):
+def test_word_nibbles_one_hot_probe(zp, gs, K, bk, dtype, monkeypatch):
     """DOT_NIBBLES = "words": x = eye(K) reads back every column of dequant(W_e) exactly, so each of
-    the eight (word, nibble) tiles must land on its own k = 8i + 4h + s, with its group's scale
-    ("words-fold", where one group spans the tile: s * (q' - off) in float32, rounded once: exact)."""
+    the eight (word, nibble) tiles must land on its own k = 8i + 4h + s, with its group's scale."""
     E, N = 2, 32
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", form)
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
     kw = quantized_experts(E, N, K, 4, gs, zp, dtype, torch.Generator().manual_seed(29))
     assert fused_moe._use_word_nibbles(4, Cfg(16, 32, bk), K, kw.qweight, POINTERS)
     ids = torch.full((K, 1), 1, dtype=torch.int32)
@@ -483,20 +481,19 @@ def test_word_nibbles_one_hot_probe(zp, gs, K, bk, dtype, form, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "form,H,gs,dtype",
+    "H,gs,dtype",
     [
-        pytest.param("words", 1344, 32, BF16, id="words-K1344-gs32"),  # a 64-wide K tail under BLOCK_SIZE_K=128
-        pytest.param("words-fold", 1408, 128, BF16, id="words-fold-gs128"),  # one group per 128-wide tile: folded
-        pytest.param("words-fold", 1344, -1, FP16, id="words-fold-channelwise-K1344-fp16"),  # q' = 1024 + q, tail
-        pytest.param("words-fold", 1344, 32, BF16, id="words-fold-gs32-not-folded"),  # four groups per tile
+        pytest.param(1344, 32, BF16, id="K1344-gs32"),  # a 64-wide K tail under BLOCK_SIZE_K=128
+        pytest.param(1408, 128, BF16, id="gs128"),  # one group per 128-wide tile
+        pytest.param(1344, -1, FP16, id="channelwise-K1344-fp16"),  # fp16 magic 1024, a tail
     ],
 )
-def test_word_nibbles_whole_moe_matches_reference(form, H, gs, dtype, monkeypatch):
-    """Both GEMMs in the words forms, with zero points."""
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", form)
+def test_word_nibbles_whole_moe_matches_reference(H, gs, dtype, monkeypatch):
+    """Both GEMMs in the words form, with zero points."""
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
     p = make_moe_problem(M=3, H=H, inter=128, E=4, top_k=2, bits=4, gs1=gs, gs2=gs, zp=True, dtype=dtype, seed=31)
     out, ref = run_both(p, configs=Cfg(16, 32, 128), use_td=False)
-    assert_close_scaled(out, ref, dtype, f"{form} form, K={H}, gs{gs}")
+    assert_close_scaled(out, ref, dtype, f"words form, K={H}, gs{gs}")
 
 
 def test_word_nibbles_only_where_the_tile_takes_them(monkeypatch):
@@ -509,8 +506,6 @@ def test_word_nibbles_only_where_the_tile_takes_them(monkeypatch):
     assert not use(4, Cfg(16, 32, 128), 124, q, POINTERS)  # rows end mid-word
     assert not use(4, Cfg(16, 32, 128), 128, q, TDDecision(True, False, "test: TD"))  # B by descriptor
     assert not use(4, Cfg(16, 32, 128), 128, torch.zeros(2, 32, 65, dtype=torch.uint8)[..., 1:], POINTERS)
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words-fold")
-    assert use(4, Cfg(16, 32, 128), 128, q, POINTERS)
     monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "split")
     assert not use(4, Cfg(16, 32, 128), 128, q, POINTERS)
     # tiles whose A or accumulator passes 32 elements per lane: the eight K/8 dots spill
@@ -530,8 +525,7 @@ def test_word_nibbles_only_where_the_tile_takes_them(monkeypatch):
         pytest.param("auto", 4, Cfg(16, 128, 256), TDDecision(True, False, "test"), "split", id="auto-td-split"),
         pytest.param("auto", 8, Cfg(16, 128, 256), POINTERS, "interleave", id="auto-int8-plain"),
         pytest.param("words", 4, Cfg(16, 64, 64), POINTERS, "split", id="words-narrow-tile-split"),
-        pytest.param("words-fold", 4, Cfg(16, 64, 128), POINTERS, "words-fold", id="words-fold-one-group"),
-        pytest.param("words-fold", 4, Cfg(16, 64, 256), POINTERS, "words", id="words-fold-two-groups-words"),
+        pytest.param("words", 4, Cfg(16, 64, 256), POINTERS, "words", id="words-forced"),
         pytest.param("split", 4, Cfg(16, 64, 16), POINTERS, "interleave", id="split-needs-k32"),
         pytest.param("interleave", 4, Cfg(16, 128, 256), POINTERS, "interleave", id="interleave-forced"),
     ],
@@ -539,7 +533,7 @@ def test_word_nibbles_only_where_the_tile_takes_them(monkeypatch):
 def test_dot_form_policy(nibbles, bits, cfg, td, want, monkeypatch):
     monkeypatch.setattr(fused_moe, "DOT_NIBBLES", nibbles)
     q = torch.zeros(2, 32, 128 * bits // 8, dtype=torch.uint8)
-    assert fused_moe._dot_form(bits, cfg, 256, 128, q, td) == want
+    assert fused_moe._dot_form(bits, cfg, 256, q, td) == want
 
 
 # ---------------------------------------------------------------- activation and top-k sum kernels
@@ -762,14 +756,13 @@ sm, bits, td, gather, even_k, pair = (int(v) for v in sys.argv[1:7])
 kernel = fused_moe._fused_moe_wna16_pair_kernel if pair else fused_moe._fused_moe_wna16_kernel
 K, N, gs, bk = (2048, 1536, 32, 256) if even_k else (1344, 1536, 32, 128)
 bk = int(sys.argv[7]) if len(sys.argv) > 7 and int(sys.argv[7]) else bk  # a K tile wider than the default
-# the form: per pair 1 = the folded step; tl.dot 1 = split nibbles, 2 = word nibbles, 3 = words folded
-# (one scale group per K tile: group size = BLOCK_K); else the module default
-forms = {"split": 1, "words": 2, "words-fold": 3}
+# the form: per pair 1 = the folded step; tl.dot 1 = split nibbles, 2 = word nibbles; else the module
+# default (per pair: PAIR_STEP_MATH; tl.dot: "auto" gives words on these K tiles of >= 128)
+forms = {"split": 1, "words": 2, "auto": 2}
 default_form = (fused_moe.PAIR_STEP_MATH == "fold") if pair else forms.get(fused_moe.DOT_NIBBLES, 0)
 form = int(sys.argv[8]) if len(sys.argv) > 8 else int(default_form)
 bm, bn, warps = (int(v) for v in sys.argv[9:12]) if len(sys.argv) > 11 else (16, 64, 4)
 fold = bool(form)
-gs = bk if form == 3 else gs
 ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8", topk_weights_ptr="*fp32",
             sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
             topk_ids_ptr="*i32", expert_map_ptr="*i32")
@@ -778,7 +771,7 @@ consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, grou
               EVEN_K=bool(even_k), USE_TD=bool(td), USE_TD_GATHER=bool(gather), SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
               compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk,
               GROUP_SIZE_M=1, FOLD_SCALES=fold, REDUCE_EACH_STEP=fold or bk > fused_moe.PAIR_ACC_MAX_K,
-              SPLIT_NIBBLES=form == 1, WORD_NIBBLES=form in (2, 3), WORD_FOLD=form == 3)
+              SPLIT_NIBBLES=form == 1, WORD_NIBBLES=form == 2)
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 divisible = ("stride_am", "stride_be", "stride_bn", "stride_cm", "stride_cs", "stride_se", "stride_ze", "stride_zn")
 sig, attrs = {}, {}
@@ -872,15 +865,13 @@ def test_split_nibble_dot_kernel_compiles_for_sm90(even_k):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("even_k", [1, 0])
-@pytest.mark.parametrize("form", [2, 3], ids=["words", "words-fold"])
-def test_word_nibble_dot_kernel_compiles_for_sm90(even_k, form):
+def test_word_nibble_dot_kernel_compiles_for_sm90(even_k):
     # eight dots of K/8 per step from 32-bit words: still 16-byte async B loads, no int->float
-    # converts per weight (folded: only the zero points', one per row of the step); dequant in bf16
-    # math (folded: no per-weight math, the scale goes to the tile's sum)
-    tags = _compile_for_gpu(90, 4, 0, 0, even_k, 0, 0, form)
+    # converts per weight, dequant in bf16 math
+    tags = _compile_for_gpu(90, 4, 0, 0, even_k, 0, 0, 2)
     assert "CPASYNC16" in tags, tags
-    assert int(next(t for t in tags if t.startswith("I2F=")).split("=")[1]) <= (0 if form == 2 else 8), tags
-    assert ("BF16MATH" in tags) == (form == 2), tags
+    assert int(next(t for t in tags if t.startswith("I2F=")).split("=")[1]) == 0, tags
+    assert "BF16MATH" in tags, tags
 
 
 @pytest.mark.slow

@@ -191,30 +191,24 @@ def _dot_f32_or_native(a, w, acc, INTERPRET_BF16: tl.constexpr):
 @triton.jit
 def _word_shift_dots(
     acc, a_s, words, SHIFT: tl.constexpr, scale, zero, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-    GROUPS: tl.constexpr, compute_type: tl.constexpr, INTERPRET_BF16: tl.constexpr, RAW: tl.constexpr,
+    GROUPS: tl.constexpr, compute_type: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):  # fmt: skip
     """The two dots of nibble s = SHIFT / 4 of every word: k = 8i + s (low half) and 8i + 4 + s (high).
 
     On the GPU one and-or makes both halves the compute dtype's magic + q (bf16 0x4300 = 128, fp16
-    0x6400 = 1024), so each half is a bitcast away from the dequant multiply. RAW: the dots take
-    magic + q itself (exact), and the caller applies scale and offset to the sum."""
+    0x6400 = 1024), so each half is a bitcast away from the dequant multiply."""
     a_lo, a_hi = tl.split(a_s)  # h = 0, 1: (BLOCK_M, WORDS) each
     if INTERPRET_BF16:  # no bf16 bitcast in the interpreter: float32 values
         t = (words >> SHIFT) & 0x000F000F
-        if RAW:
-            w_lo = (t & 0xFFFF).to(tl.float32) + 128.0
-            w_hi = (t >> 16).to(tl.float32) + 128.0
-        else:
-            w_lo = _dequant_b_tile(t & 0xFFFF, scale, zero, BLOCK_N, WORDS, GROUPS, 4, compute_type, INTERPRET_BF16)
-            w_hi = _dequant_b_tile(t >> 16, scale, zero, BLOCK_N, WORDS, GROUPS, 4, compute_type, INTERPRET_BF16)
+        w_lo = _dequant_b_tile(t & 0xFFFF, scale, zero, BLOCK_N, WORDS, GROUPS, 4, compute_type, INTERPRET_BF16)
+        w_hi = _dequant_b_tile(t >> 16, scale, zero, BLOCK_N, WORDS, GROUPS, 4, compute_type, INTERPRET_BF16)
     else:
         t = ((words >> SHIFT) & 0x000F000F) | _word_magic(compute_type)
         w_lo = t.to(tl.uint16).to(compute_type, bitcast=True)
         w_hi = (t >> 16).to(tl.uint16).to(compute_type, bitcast=True)
-        if not RAW:
-            offset = zero + _magic_value(compute_type)
-            w_lo = _scale_offset_tile(w_lo, scale, offset, BLOCK_N, WORDS, GROUPS, compute_type)
-            w_hi = _scale_offset_tile(w_hi, scale, offset, BLOCK_N, WORDS, GROUPS, compute_type)
+        offset = zero + _magic_value(compute_type)
+        w_lo = _scale_offset_tile(w_lo, scale, offset, BLOCK_N, WORDS, GROUPS, compute_type)
+        w_hi = _scale_offset_tile(w_hi, scale, offset, BLOCK_N, WORDS, GROUPS, compute_type)
     acc = _dot_f32_or_native(a_lo, w_lo, acc, INTERPRET_BF16)
     return _dot_f32_or_native(a_hi, w_hi, acc, INTERPRET_BF16)
 
@@ -249,7 +243,6 @@ def _word_nibble_dots(
     GROUPS: tl.constexpr,
     compute_type: tl.constexpr,
     INTERPRET_BF16: tl.constexpr,
-    FOLD: tl.constexpr,  # GROUPS == 1 only: scale and zero applied to the tile's sum, not to each weight
 ):
     """acc + a @ dequant(B).T over one K tile, int4 B unpacked from whole words (DOT_NIBBLES = "words").
 
@@ -257,31 +250,15 @@ def _word_nibble_dots(
     per word give the nibbles s and 4 + s of it in the two 16-bit halves, so B splits into eight
     (BLOCK_N, BLOCK_K / 8) tiles, k = 8i + 4h + s, with no byte widening or interleave; A splits its
     columns the same way and the tile is eight dots of BLOCK_K / 8. A scale group (>= 32 values) is
-    whole words, so each small tile keeps GROUPS groups of consecutive columns.
-    FOLD ("words-fold"): with one group in the tile, sum_k a*(q' - off)*s = s * (sum_k a*q' - off *
-    sum_k a), q' = magic + q exact in the compute dtype: the dots run on q' and the per-weight subtract
-    and multiply become two multiply-adds per output of the tile. The sum is float32 (no weight is
-    rounded to the compute dtype); the cancellation of off * sum(a) stays within one K tile."""
+    whole words, so each small tile keeps GROUPS groups of consecutive columns. (A variant that applied
+    scale and zero to the tile's float32 sum where one group spans it was no faster on the H200, and
+    slower at M 16-64: bench/results/h200/2026-12-03-c5ff782-words-forms.md; it was removed.)"""
     WORDS: tl.constexpr = BLOCK_K // 8
     a5 = tl.reshape(a, (BLOCK_M, WORDS, 2, 2, 2))  # k = 8i + 4h + 2*s1 + s0 as (m, i, h, s1, s0)
     a_s0_0, a_s0_1 = tl.split(a5)  # (m, i, h, s1)
     a_s0, a_s2 = tl.split(a_s0_0)  # s = 0, 2: (m, i, h)
     a_s1, a_s3 = tl.split(a_s0_1)  # s = 1, 3
-    if FOLD:
-        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        part = acc
-    part = _word_shift_dots(part, a_s0, words, 0, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type,
-                            INTERPRET_BF16, FOLD)  # fmt: skip
-    part = _word_shift_dots(part, a_s1, words, 4, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type,
-                            INTERPRET_BF16, FOLD)  # fmt: skip
-    part = _word_shift_dots(part, a_s2, words, 8, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type,
-                            INTERPRET_BF16, FOLD)  # fmt: skip
-    part = _word_shift_dots(part, a_s3, words, 12, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type,
-                            INTERPRET_BF16, FOLD)  # fmt: skip
-    if FOLD:
-        s = tl.reshape(scale, (BLOCK_N,))
-        off = tl.reshape(zero, (BLOCK_N,)) + _magic_value(compute_type)
-        a_sum = tl.sum(a.to(tl.float32), axis=1)
-        return acc + (part - a_sum[:, None] * off[None, :]) * s[None, :]
-    return part
+    acc = _word_shift_dots(acc, a_s0, words, 0, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16)
+    acc = _word_shift_dots(acc, a_s1, words, 4, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16)
+    acc = _word_shift_dots(acc, a_s2, words, 8, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16)
+    return _word_shift_dots(acc, a_s3, words, 12, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16)

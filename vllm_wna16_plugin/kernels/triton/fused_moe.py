@@ -76,7 +76,7 @@ def _use_word_nibbles(
     a tile that fits the registers (_word_tile_fits)."""
     return (
         bits == 4
-        and (form or DOT_NIBBLES) in ("words", "words-fold")
+        and (form or DOT_NIBBLES) == "words"
         and config.BLOCK_SIZE_K >= 128
         and K % 8 == 0
         and not td.use_td_b
@@ -85,23 +85,21 @@ def _use_word_nibbles(
     )
 
 
-def _dot_form(
-    bits: int, config: TritonMoEConfig, K: int, group_size: int, qweight: torch.Tensor, td: TDDecision
-) -> str:
+def _dot_form(bits: int, config: TritonMoEConfig, K: int, qweight: torch.Tensor, td: TDDecision) -> str:
     """The form this launch of the tl.dot kernel feeds B to the dot in (DOT_NIBBLES says which).
 
     "auto": "words" on K tiles of 128 and more, "interleave" on narrower ones (see DOT_NIBBLES). A words
     form the tile cannot take (_use_word_nibbles) runs "split", which any int4 tile with BLOCK_K >= 32
-    takes; "words-fold" needs one scale group per K tile. int8 has no nibbles ("interleave": plain tiles).
+    takes. int8 has no nibbles ("interleave": plain tiles).
     """
     if bits != 4:
         return "interleave"
     want = DOT_NIBBLES
     if want == "auto":
         want = "words" if config.BLOCK_SIZE_K >= 128 else "interleave"
-    if want in ("words", "words-fold"):
+    if want == "words":
         if _use_word_nibbles(bits, config, K, qweight, td, want):
-            return "words-fold" if want == "words-fold" and config.BLOCK_SIZE_K <= group_size else "words"
+            return "words"
         want = "split"
     return "split" if want == "split" and config.BLOCK_SIZE_K >= 32 else "interleave"
 
@@ -119,15 +117,14 @@ PAIR_STEP_MATH = "fold"
 #   "split"       two dots of half the K: low nibbles with A's even columns, high with its odd ones;
 #   "words"       (dequant._word_nibble_dots) B loaded as 32-bit words, one and-or per shift makes
 #                 eight tiles of K/8, eight dots per K tile, no byte widening; pointer path only;
-#   "words-fold"  "words", with scale and zero applied to the tile's float32 sum where one scale group
-#                 spans the K tile;
 #   "auto"        (default) "words" on K tiles of >= 128 ("split" where the tile cannot take words:
 #                 TD, rows off 32-bit words, a tile past _word_tile_fits), "interleave" on narrower ones.
 # The H200 measurement behind "auto" (bench/results/h200/2026-12-03-c5ff782-words-forms.md, four shapes
 # x M 8-256, same run): on 128/256-wide K tiles "words" took 0.89-0.99x the time of "split" at M 16-64
 # and 0.97-1.02x at M = 8 (one tile that spilled took 1.5x: _word_tile_fits); on 64-wide tiles (the M = 256 entries, the channel-wise shape's) "interleave"
-# took 0.92-0.93x of "split" at M = 256 (the words provider ran them as "interleave"); "words-fold" was
-# no faster than "words" anywhere, and slower at M 16-64. Earlier (09163a5-lean-forms.md) "split" took
+# took 0.92-0.93x of "split" at M = 256 (the words provider ran them as "interleave"). A fifth form,
+# "words-fold" (scale and zero on the tile's float32 sum), was no faster than "words" anywhere and
+# slower at M 16-64; it was removed. Earlier (09163a5-lean-forms.md) "split" took
 # 0.92-0.97x of "interleave" on 128/256-wide tiles. The single-form values stay for tests and benchmarks.
 DOT_NIBBLES = "auto"
 _COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -327,7 +324,6 @@ def _fused_moe_wna16_kernel(
     GROUP_SIZE_M: tl.constexpr,
     SPLIT_NIBBLES: tl.constexpr,  # int4: two half-K dots instead of interleaving the nibbles (DOT_NIBBLES)
     WORD_NIBBLES: tl.constexpr,  # int4: B as 32-bit words, eight dots of K/8 (DOT_NIBBLES "words"; pointer path)
-    WORD_FOLD: tl.constexpr,  # with WORD_NIBBLES and GROUPS == 1: scale/zero on the tile's sum ("words-fold")
 ):
     """C[p, :] = (w_p if MUL_ROUTED_WEIGHT) * A[p // top_k] @ dequant(B[e_p]).T for routed pairs p.
 
@@ -403,7 +399,7 @@ def _fused_moe_wna16_kernel(
                 stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
             )  # fmt: skip
             acc = _word_nibble_dots(acc, a, words, scale, zero, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUPS,
-                                    compute_type, INTERPRET_BF16, WORD_FOLD)  # fmt: skip
+                                    compute_type, INTERPRET_BF16)  # fmt: skip
         elif SPLIT_NIBBLES:
             # int4 without the interleave: low nibbles (even k) and high nibbles (odd k) each
             # dequantize to a (BLOCK_N, BLOCK_K / 2) tile, and meet the even and odd columns of A in
@@ -747,7 +743,7 @@ def invoke_wna16_gemm(
     # At most num_pairs non-empty M-blocks exist, so blocks past num_pairs * BLOCK_SIZE_M are never live.
     em_grid = min(sorted_token_ids.numel(), num_pairs * bm)
     grid = (triton.cdiv(em_grid, bm) * triton.cdiv(N, bn), split)
-    form = _dot_form(bits, config, K, group_size, qweight, td)
+    form = _dot_form(bits, config, K, qweight, td)
     _fused_moe_wna16_kernel[grid](
         sorted_token_ids_ptr=sorted_token_ids,
         expert_ids_ptr=expert_ids,
@@ -758,8 +754,7 @@ def invoke_wna16_gemm(
         stride_cn=c3.stride(2),
         EM_GRID=em_grid,
         SPLIT_NIBBLES=form == "split",
-        WORD_NIBBLES=form in ("words", "words-fold"),
-        WORD_FOLD=form == "words-fold",
+        WORD_NIBBLES=form == "words",
         USE_TD_GATHER=td.use_gather,
         BLOCK_SIZE_M=bm,
         GROUP_SIZE_M=config.GROUP_SIZE_M,

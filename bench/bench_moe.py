@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from vllm_wna16_plugin import packing  # noqa: E402
 from vllm_wna16_plugin.backends import KernelTensors, registry  # noqa: E402
 from vllm_wna16_plugin.ops import make_problem  # noqa: E402
+from vllm_wna16_plugin.oracle import select_backend  # noqa: E402
 from vllm_wna16_plugin.reference import fused_moe_ref  # noqa: E402
 
 
@@ -170,7 +171,9 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
     use_td, cuda_kernel = None, None
     if name == "cuda-gemv":  # the CUDA-core kernel, where the tensor-core one would run
         name, cuda_kernel = "cuda", "gemv"
-    if name.startswith("triton"):
+    if name == "triton-auto":  # TD as the tuned config and td_gate decide: what the plugin runs
+        name = "triton"
+    elif name.startswith("triton"):  # plugin-triton: pointer loads forced; plugin-triton-td: TD forced
         use_td, name = name.endswith("-td"), "triton"
     problem = make_problem(x, w.q13, w.q2, w.scales13, w.scales2, topk_ids, bits=4, group_size=gs,
                            has_zero_point=False)  # fmt: skip
@@ -178,8 +181,11 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
         problem.extra["use_td"] = use_td
     if cuda_kernel is not None:
         problem.extra["cuda_kernel"] = cuda_kernel
-    problem.extra["explicit"] = True  # each provider is asked for by name (cuda is not auto's yet)
-    backend = registry()[name]
+    if name == "auto":  # the oracle's pick with the shipped crossover: what a user gets by default
+        backend = select_backend(problem).backend
+    else:
+        problem.extra["explicit"] = True  # each other provider is asked for by name
+        backend = registry()[name]
     reason = backend.incompatibility_reason(problem)
     if reason:
         raise NotApplicable(f"{name} rejects: {reason}")
@@ -229,7 +235,12 @@ def main() -> int:
     ap.add_argument("--m", default=",".join(map(str, M_VALUES)))
     ap.add_argument(
         "--providers",
-        default="plugin-triton,plugin-triton-td,plugin-cuda,plugin-vllm_cuda,vllm-triton,vllm-cuda,vllm-marlin,bf16-dense",
+        default="plugin-auto,plugin-triton-auto,plugin-triton,plugin-triton-td,plugin-cuda,vllm-triton,vllm-cuda,"
+        "vllm-marlin,bf16-dense",
+        help="plugin-auto: the oracle's pick (cuda inside the shipped crossover, else triton); plugin-triton-auto: "
+        "the Triton backend with tuned TD; plugin-triton / -td: pointer / TD loads forced; plugin-triton-split, "
+        "-words, -tile: other kernel forms; plugin-cuda, plugin-vllm_cuda, vllm-*: as named; bf16-dense: "
+        "vLLM's fused_experts on the dequantized weights",
     )
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "h200"))
@@ -359,7 +370,9 @@ def main() -> int:
     plot(rows, providers, out / f"{stamp}.png")
     print(table)
     if args.write_crossover:
-        print(record_crossovers(rows, shapes, dev, Path(args.write_crossover), out / f"{stamp}.md"))
+        # the Triton side as auto runs it (tuned TD) when that column ran
+        column = "plugin-triton-auto" if "plugin-triton-auto" in providers else "plugin-triton"
+        print(record_crossovers(rows, shapes, dev, Path(args.write_crossover), out / f"{stamp}.md", column))
     return 0
 
 
@@ -376,9 +389,9 @@ def record_crossovers(
     for s in shapes:
         times = {}
         for shape, m, prov, r in rows:
-            if shape == s.name and prov in ("plugin-cuda", "plugin-triton") and isinstance(r[0], float):
+            if shape == s.name and prov in ("plugin-cuda", triton_column) and isinstance(r[0], float):
                 times.setdefault(m, {})[prov] = r[0]
-        pairs = {m: (t["plugin-cuda"], t["plugin-triton"]) for m, t in times.items() if len(t) == 2}
+        pairs = {m: (t["plugin-cuda"], t[triton_column]) for m, t in times.items() if len(t) == 2}
         if not pairs:
             lines.append(f"{s.name}: plugin-cuda and plugin-triton were not both timed; no crossover")
             continue
@@ -426,7 +439,10 @@ def render(rows, providers) -> str:
         by.setdefault((shape, m), {})[prov] = r
     ours = [p for p in providers if p.startswith("plugin-")]
     peers = [p for p in providers if not p.startswith("plugin-")]
-    head = ["shape", "M", *providers, "best plugin", "%bw (best)", *[f"× vs {p}" for p in peers]]
+    # the ratios are of what a user gets (plugin-auto) when it ran, else of the plugin's best provider
+    basis = "plugin-auto" if "plugin-auto" in providers else None
+    ratio_name = "auto" if basis else "best"
+    head = ["shape", "M", *providers, "best plugin", f"%bw ({ratio_name})", *[f"× vs {p}" for p in peers]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (shape, m), res in by.items():
         cells = [shape, str(m)]
@@ -436,10 +452,11 @@ def render(rows, providers) -> str:
         timed = {p: res[p] for p in ours if p in res and isinstance(res[p][0], float)}
         if timed:
             best = min(timed, key=lambda p: timed[p][0])
-            cells += [best.removeprefix("plugin-"), f"{100 * timed[best][3]:.0f}%"]
+            ref = timed.get(basis) if basis else timed[best]
+            cells += [best.removeprefix("plugin-"), f"{100 * ref[3]:.0f}%" if ref else "-"]
             for p in peers:
                 r = res.get(p)
-                cells.append(f"{r[0] / timed[best][0]:.2f}" if r and isinstance(r[0], float) else "-")
+                cells.append(f"{r[0] / ref[0]:.2f}" if ref and r and isinstance(r[0], float) else "-")
         else:
             cells += ["-", "-"] + ["-"] * len(peers)
         lines.append("| " + " | ".join(cells) + " |")

@@ -302,6 +302,13 @@ def pick_joint(t1: dict, t2: dict, align_us: dict, M: int):
     return best
 
 
+def merge_entries(kept: dict, tuned: dict) -> dict:
+    """A config file's {M: entry} after a run: this run's entries over the kept ones, keys in M order
+    (a run at M 1024-8192 leaves the decode entries of an earlier run in place)."""
+    merged = {**kept, **tuned}
+    return {m: merged[m] for m in sorted(merged, key=int)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
@@ -310,6 +317,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--budget-s", type=float, default=240.0, help="exploration seconds, shared over (shape, M)")
     ap.add_argument("--dry-run", action="store_true", help="list candidates and compile counts; no GPU")
+    ap.add_argument(
+        "--replace",
+        action="store_true",
+        help="write only this run's M entries (default: keep a file's entries for the M not tuned here)",
+    )
     args = ap.parse_args()
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     ms = [int(v) for v in args.m.split(",")]
@@ -361,8 +373,9 @@ def main() -> int:
             if files[name]:
                 gs = g.K if s.gs == -1 else s.gs
                 path = out_dir / config_file_name(s.E, g.N, g.K, gs, s.bits, dev)
-                path.write_text(json.dumps(files[name], indent=1) + "\n")
-                log(f"wrote {path}")
+                kept = {} if args.replace or not path.is_file() else json.loads(path.read_text())
+                path.write_text(json.dumps(merge_entries(kept, files[name]), indent=1) + "\n")
+                log(f"wrote {path} ({len(files[name])} entries tuned, {len(set(kept) - set(files[name]))} kept)")
         del gemms
         torch.cuda.empty_cache()
     print("\n".join(table))

@@ -51,3 +51,12 @@ def test_stage_a_candidates_are_legal_launch_configs(tune, shape, M):
                 assert cfg.BLOCK_SIZE_K <= 64, cfg  # big row tiles spend shared memory on stages
         if M == 4096:
             assert any(c.BLOCK_SIZE_M == 128 and c.BLOCK_SIZE_N == 256 for c in cands), cands
+
+
+def test_a_run_keeps_the_entries_of_the_m_it_did_not_tune(tune):
+    """A prefill-only run (M 1024-8192) must not drop the decode entries already shipped."""
+    kept = {"1": {"BLOCK_SIZE_M": 1}, "256": {"BLOCK_SIZE_M": 32}, "1024": {"BLOCK_SIZE_M": 32}}
+    tuned = {"8192": {"BLOCK_SIZE_M": 128}, "1024": {"BLOCK_SIZE_M": 64}}
+    merged = tune.merge_entries(kept, tuned)
+    assert list(merged) == ["1", "256", "1024", "8192"]  # M order, not string order
+    assert merged["1024"] == {"BLOCK_SIZE_M": 64} and merged["1"] == {"BLOCK_SIZE_M": 1}

@@ -150,8 +150,14 @@ def stage_a(M: int, E: int, N: int, K: int, top_k: int, gs: int, bits: int) -> l
     return out
 
 
-def stage_b(base: TritonMoEConfig, M: int, E: int, N: int, K: int, top_k: int, td_ok: bool) -> list[TritonMoEConfig]:
-    """Warps / stages / split-K / TD around one tile."""
+REGISTER_CAPS = (128, 168)  # 4 and 3 programs of 4 warps per SM by registers (65536 / (128 x cap))
+
+
+def stage_b(
+    base: TritonMoEConfig, M: int, E: int, N: int, K: int, top_k: int, td_ok: bool, bits: int = 4
+) -> list[TritonMoEConfig]:
+    """Warps / stages / split-K / TD around one tile; for tl.dot tiles also the split int4 form and
+    register caps (a 16x128x256 words tile takes 212 registers a thread on sm90: 2 programs per SM)."""
     out = []
     for warps in (4, 8):
         for stages in (1, 3, 4, 5) if base.per_pair else (3, 4, 5):  # per pair, 1 = register loads, no pipeline
@@ -163,6 +169,11 @@ def stage_b(base: TritonMoEConfig, M: int, E: int, N: int, K: int, top_k: int, t
                 out.append(replace(base, SPLIT_K=split))
     if td_ok:
         out.append(replace(base, use_td=True))
+    if not base.per_pair:
+        if bits == 4 and base.nibbles is None:
+            out.append(replace(base, nibbles="split"))
+            out.append(replace(base, nibbles="split", maxnreg=REGISTER_CAPS[0]))
+        out += [replace(base, maxnreg=cap) for cap in REGISTER_CAPS if base.maxnreg is None]
     return [c for c in out if c != base]
 
 
@@ -282,7 +293,7 @@ def run_shape(shape: Shape, ms, args, log, deadline, slots_after):
                                   for bm in {c.BLOCK_SIZE_M for c in timed}]  # fmt: skip
             for base in dict.fromkeys(bases):  # the best two, and the best per BLOCK_SIZE_M (joint pick)
                 td_ok = sm >= 90 and g.K % base.BLOCK_SIZE_K == 0 and a.shape[0] > 1
-                for cfg in stage_b(base, M, shape.E, g.N, g.K, shape.top_k, td_ok):
+                for cfg in stage_b(base, M, shape.E, g.N, g.K, shape.top_k, td_ok, g.bits):
                     measure(cfg)
         for bm in aligns:
             align_us[(M, bm)] = time_graph([lambda bm=bm: align(topk_ids, bm, shape.E, None)], args.reps)
@@ -366,7 +377,8 @@ def main() -> int:
             d2 = default_config(M, s.E, s.H, s.I, s.top_k, s.gs if s.gs != -1 else s.I, s.bits)
             dflt = t1.get(d1, float("nan")) + t2.get(d2, float("nan"))
             fmt = lambda c: (f"{c.BLOCK_SIZE_M}x{c.BLOCK_SIZE_N}x{c.BLOCK_SIZE_K} w{c.num_warps} s{c.num_stages}"  # noqa: E731
-                             f"{' k' + str(c.SPLIT_K) if c.SPLIT_K > 1 else ''}{' td' if c.use_td else ''}")  # fmt: skip
+                             f"{' k' + str(c.SPLIT_K) if c.SPLIT_K > 1 else ''}{' td' if c.use_td else ''}"
+                             f"{' ' + c.nibbles if c.nibbles else ''}{f' r{c.maxnreg}' if c.maxnreg else ''}")  # fmt: skip
             table.append(f"| {s.name} | {M} | {fmt(c1)} | {t1[c1]:.1f} | {fmt(c2)} | {t2[c2]:.1f} | {dflt:.1f} | "
                          f"{total:.1f} |")  # fmt: skip
         for name, g in gemms.items():

@@ -60,3 +60,20 @@ def test_a_run_keeps_the_entries_of_the_m_it_did_not_tune(tune):
     merged = tune.merge_entries(kept, tuned)
     assert list(merged) == ["1", "256", "1024", "8192"]  # M order, not string order
     assert merged["1024"] == {"BLOCK_SIZE_M": 64} and merged["1"] == {"BLOCK_SIZE_M": 1}
+
+
+def test_stage_b_times_the_split_form_and_register_caps_on_dot_tiles_only(tune):
+    from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig
+
+    dot = TritonMoEConfig(16, 128, 256, num_warps=4, num_stages=4)
+    got = tune.stage_b(dot, 16, 128, 1536, 2048, 8, td_ok=False, bits=4)
+    assert {c.maxnreg for c in got} >= {None, *tune.REGISTER_CAPS}
+    assert any(c.nibbles == "split" and c.maxnreg is None for c in got)
+    assert not any(c.nibbles for c in tune.stage_b(dot, 16, 128, 1536, 2048, 8, td_ok=False, bits=8))  # int8
+    per_pair = TritonMoEConfig(1, 64, 256, num_warps=4, num_stages=4)
+    assert not any(c.nibbles or c.maxnreg for c in tune.stage_b(per_pair, 1, 128, 1536, 2048, 8, td_ok=False))
+    # a tuned entry round-trips through its JSON, the optional fields only when set
+    for cfg in got:
+        entry = cfg.to_dict()
+        assert TritonMoEConfig(**entry) == cfg
+        assert ("maxnreg" in entry) == (cfg.maxnreg is not None)

@@ -80,6 +80,21 @@ CASES = [
     ),  # fmt: skip
     # a single token (decode), default config
     pytest.param(1, 128, 64, 8, 2, 4, 64, 64, True, BF16, None, id="int4-M1-default-config"),
+    # a tuned entry's own int4 form and register cap (bench/tune.py stage B), K=256 over two tiles
+    pytest.param(
+        5,
+        256,
+        64,
+        4,
+        2,
+        4,
+        64,
+        64,
+        True,
+        BF16,
+        Cfg(16, 64, 128, nibbles="split", maxnreg=128),
+        id="int4-tuned-split-r128",
+    ),
 ]
 
 
@@ -528,6 +543,11 @@ def test_word_nibbles_only_where_the_tile_takes_them(monkeypatch):
         pytest.param("words", 4, Cfg(16, 64, 256), POINTERS, "words", id="words-forced"),
         pytest.param("split", 4, Cfg(16, 64, 16), POINTERS, "interleave", id="split-needs-k32"),
         pytest.param("interleave", 4, Cfg(16, 128, 256), POINTERS, "interleave", id="interleave-forced"),
+        # a tuned entry's form, under auto only; a forced form (benchmarks, tests) wins over it
+        pytest.param("auto", 4, Cfg(16, 128, 256, nibbles="split"), POINTERS, "split", id="tuned-split"),
+        pytest.param("auto", 4, Cfg(32, 128, 256, nibbles="words"), POINTERS, "split", id="tuned-words-spills"),
+        pytest.param("words", 4, Cfg(16, 128, 256, nibbles="split"), POINTERS, "words", id="forced-over-tuned"),
+        pytest.param("auto", 8, Cfg(16, 128, 256, nibbles="split"), POINTERS, "interleave", id="tuned-int8-plain"),
     ],
 )
 def test_dot_form_policy(nibbles, bits, cfg, td, want, monkeypatch):
@@ -654,6 +674,15 @@ def test_errors_name_the_field():
             dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, num_warps=3),
             "must be one of",
             id="warps",
+        ),
+        pytest.param(
+            "nibbles", dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, nibbles="auto"), "one of", id="nibbles"
+        ),
+        pytest.param(
+            "maxnreg",
+            dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, maxnreg=512),
+            r"\[24, 255\]",
+            id="maxnreg",
         ),
     ],
 )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).with_name("configs")
 _WARPS = (1, 2, 4, 8, 16)
+NIBBLE_FORMS = ("interleave", "split", "words")
 
 
 def _is_pow2(x: int) -> bool:
@@ -37,6 +38,11 @@ class TritonMoEConfig:
     num_stages: int = 2
     use_td: bool | None = None  # a tuned opinion on tensor descriptors; None = let td_gate decide
     SPLIT_K: int = 1  # K slices per output tile; > 1 writes float32 partials that the next kernel sums
+    # a tuned int4 dot form (fused_moe.DOT_NIBBLES: "interleave", "split", "words"); None = the auto policy
+    nibbles: str | None = None
+    # a tuned cap on registers per thread (ptxas .maxnreg, CUDA only): more programs per SM for a tile
+    # whose registers, not its shared memory, bound the occupancy; None = the compiler's choice
+    maxnreg: int | None = None
 
     @property
     def per_pair(self) -> bool:
@@ -60,6 +66,10 @@ class TritonMoEConfig:
             raise ValueError(f"SPLIT_K={self.SPLIT_K} must be a power of two in [1, 16]")
         if self.use_td not in (None, True, False):
             raise ValueError(f"use_td={self.use_td!r} must be None, True or False")
+        if self.nibbles not in (None, *NIBBLE_FORMS):
+            raise ValueError(f"nibbles={self.nibbles!r} must be None or one of {list(NIBBLE_FORMS)}")
+        if self.maxnreg is not None and not (isinstance(self.maxnreg, int) and 24 <= self.maxnreg <= 255):
+            raise ValueError(f"maxnreg={self.maxnreg!r} must be None or an int in [24, 255] (registers per thread)")
 
     def check_shape(self, K: int, group_size: int) -> None:
         """Raise ValueError unless this config is legal for a GEMM with reduction size K.
@@ -77,7 +87,8 @@ class TritonMoEConfig:
             )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The JSON entry; the optional tuned fields (nibbles, maxnreg) only when set."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in ("nibbles", "maxnreg")}
 
 
 def config_file_name(E: int, N: int, K: int, group_size: int, bits: int, device_name: str) -> str:

@@ -88,13 +88,16 @@ def _use_word_nibbles(
 def _dot_form(bits: int, config: TritonMoEConfig, K: int, qweight: torch.Tensor, td: TDDecision) -> str:
     """The form this launch of the tl.dot kernel feeds B to the dot in (DOT_NIBBLES says which).
 
-    "auto": "words" on K tiles of 128 and more, "interleave" on narrower ones (see DOT_NIBBLES). A words
+    "auto": the config's tuned `nibbles` when it has one, else "words" on K tiles of 128 and more,
+    "interleave" on narrower ones (see DOT_NIBBLES); a forced DOT_NIBBLES overrides both. A words
     form the tile cannot take (_use_word_nibbles) runs "split", which any int4 tile with BLOCK_K >= 32
     takes. int8 has no nibbles ("interleave": plain tiles).
     """
     if bits != 4:
         return "interleave"
     want = DOT_NIBBLES
+    if want == "auto" and config.nibbles:  # a form the tuner measured for this entry
+        want = config.nibbles
     if want == "auto":
         want = "words" if config.BLOCK_SIZE_K >= 128 else "interleave"
     if want == "words":
@@ -639,6 +642,14 @@ def _even_k(K: int, config: TritonMoEConfig) -> bool:
     return rem == 0 and tiles % config.SPLIT_K == 0
 
 
+def _register_cap(config: TritonMoEConfig, a: torch.Tensor) -> dict:
+    """The launch option for a tuned register cap: ptxas's .maxnreg exists on NVIDIA only (and the
+    interpreter ignores it), so elsewhere the config runs uncapped."""
+    if config.maxnreg is None or torch.version.hip is not None or a.device.type not in ("cuda", "cpu"):
+        return {}
+    return {"maxnreg": config.maxnreg}
+
+
 def split_k_buffer_shape(num_pairs: int, N: int, config: TritonMoEConfig) -> tuple[int, ...]:
     """The shape of a GEMM's output c: (num_pairs, N), or (SPLIT_K, num_pairs, N) float32 partials."""
     return (num_pairs, N) if config.SPLIT_K == 1 else (config.SPLIT_K, num_pairs, N)
@@ -721,6 +732,7 @@ def invoke_wna16_gemm(
         BLOCK_SIZE_K=config.BLOCK_SIZE_K,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **_register_cap(config, a),
     )
     if config.per_pair:
         if topk_ids is None or c3.stride(2) != 1:

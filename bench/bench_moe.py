@@ -19,6 +19,7 @@ import csv
 import datetime
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -171,8 +172,8 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
     use_td, cuda_kernel = None, None
     if name == "cuda-gemv":  # the CUDA-core kernel, where the tensor-core one would run
         name, cuda_kernel = "cuda", "gemv"
-    if name == "triton-auto":  # TD as the tuned config and td_gate decide: what the plugin runs
-        name = "triton"
+    if name in ("triton-auto", "triton-alt"):  # TD as the tuned config and td_gate decide: what the plugin runs
+        name = "triton"  # (-alt: with the configs of --alt-config-dir, see triton_form)
     elif name.startswith("triton"):  # plugin-triton: pointer loads forced; plugin-triton-td: TD forced
         use_td, name = name.endswith("-td"), "triton"
     problem = make_problem(x, w.q13, w.q2, w.scales13, w.scales2, topk_ids, bits=4, group_size=gs,
@@ -203,26 +204,41 @@ TRITON_FORMS = {
 }
 
 
+# plugin-triton-alt reads its tuned configs from this directory (--alt-config-dir): candidate entries
+# timed side by side with the shipped ones (plugin-triton-auto) in the same run
+ALT_CONFIG_DIR: Path | None = None
+
+
 @contextlib.contextmanager
 def triton_form(prov: str):
-    """The kernel form of `prov` (TRITON_FORMS) while a call is checked and captured; the CUDA graph
-    keeps the kernels it captured."""
-    from vllm_wna16_plugin.kernels.triton import fused_moe
+    """The kernel form of `prov` (TRITON_FORMS) and, for plugin-triton-alt, its config directory,
+    while a call is checked and captured; the CUDA graph keeps the kernels it captured."""
+    from vllm_wna16_plugin.kernels.triton import configs, fused_moe
 
     saved = {name: getattr(fused_moe, name) for name in TRITON_FORMS.get(prov, {})}
     for name, value in TRITON_FORMS.get(prov, {}).items():
         setattr(fused_moe, name, value)
+    alt = prov == "plugin-triton-alt"
+    if alt:
+        if ALT_CONFIG_DIR is None:
+            raise NotApplicable("plugin-triton-alt needs --alt-config-dir")
+        shipped, configs.CONFIG_DIR = configs.CONFIG_DIR, ALT_CONFIG_DIR
+        configs.get_triton_moe_config.cache_clear()
     try:
         yield
     finally:
         for name, value in saved.items():
             setattr(fused_moe, name, value)
+        if alt:
+            configs.CONFIG_DIR = shipped
+            configs.get_triton_moe_config.cache_clear()
 
 
 def git_commit() -> str:
     """BENCH_COMMIT when set (the GPU machine's copy may carry a stale .git), else git's HEAD."""
     if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
+        # it names result files: characters the device tool will not bring back ("+") become "_"
+        return re.sub(r"[^\w.-]", "_", os.environ["BENCH_COMMIT"])
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
     except Exception:  # noqa: BLE001
@@ -238,7 +254,8 @@ def main() -> int:
         default="plugin-auto,plugin-triton-auto,plugin-triton,plugin-triton-td,plugin-cuda,vllm-triton,vllm-cuda,"
         "vllm-marlin,bf16-dense",
         help="plugin-auto: the oracle's pick (cuda inside the shipped crossover, else triton); plugin-triton-auto: "
-        "the Triton backend with tuned TD; plugin-triton / -td: pointer / TD loads forced; plugin-triton-split, "
+        "the Triton backend with tuned TD; plugin-triton-alt: the same with --alt-config-dir's configs; "
+        "plugin-triton / -td: pointer / TD loads forced; plugin-triton-split, "
         "-words, -tile: other kernel forms; plugin-cuda, plugin-vllm_cuda, vllm-*: as named; bf16-dense: "
         "vLLM's fused_experts on the dequantized weights",
     )
@@ -254,7 +271,15 @@ def main() -> int:
         help="record where plugin-cuda beat plugin-triton (both must be among --providers) in DIR/<device>.json "
         "(default DIR: the package's crossover/)",
     )
+    ap.add_argument(
+        "--alt-config-dir",
+        default=None,
+        metavar="DIR",
+        help="tuned Triton configs for the plugin-triton-alt provider (e.g. a tune.py --out copy)",
+    )
     args = ap.parse_args()
+    global ALT_CONFIG_DIR
+    ALT_CONFIG_DIR = Path(args.alt_config_dir) if args.alt_config_dir else None
 
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()

@@ -87,7 +87,9 @@ for step in "$@"; do
     e2e-bench) timeout ${E2E_BENCH_TIMEOUT:-540} python3 bench/e2e.py --out "$OUT/res" ${E2E_BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/e2e-bench.log" | tail -30 ;;
     tune) timeout ${TUNE_TIMEOUT:-300} python3 bench/tune.py --out vllm_wna16_plugin/kernels/triton/configs ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -30
           tar czf "$OUT/configs.tgz" -C vllm_wna16_plugin/kernels/triton configs ;;
-    bench) timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/bench.log" | tail -70
+    # a second bench step in one call gets its own log (the first is not overwritten)
+    bench) log="$OUT/bench.log"; [ -e "$log" ] && log="$OUT/bench-at-${SECONDS}s.log"
+           timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$log" | tail -70
            cp vllm_wna16_plugin/crossover/*.json "$OUT/res/" 2>/dev/null ;;  # --write-crossover rewrites it
     *) echo "unknown step $step"; rc=2 ;;
   esac

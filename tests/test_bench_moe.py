@@ -38,3 +38,23 @@ def test_without_plugin_auto_the_ratios_are_of_the_best_plugin_provider(bench):
     head, _, line = bench.render(rows, ["plugin-triton", "plugin-cuda", "vllm-marlin", "vllm-cuda"]).splitlines()
     assert "%bw (best)" in head
     assert line == "| s | 8 | 100.0 | 50.0 | 80.0 | crash | cuda | 60% | 1.60 | - |", line
+
+
+def test_the_alt_provider_reads_its_own_config_dir_only_while_it_runs(bench, tmp_path, monkeypatch):
+    import json
+
+    from vllm_wna16_plugin.kernels.triton import configs
+
+    entry = configs.TritonMoEConfig(32, 64, 64, GROUP_SIZE_M=8, maxnreg=128)
+    name = configs.config_file_name(4, 256, 512, 128, 4, "GPU X")
+    (tmp_path / name).write_text(json.dumps({"64": entry.to_dict()}))
+    monkeypatch.setattr(bench, "ALT_CONFIG_DIR", tmp_path)
+    get = lambda: configs.get_triton_moe_config(64, 4, 256, 512, 2, 128, 4, "GPU X")  # noqa: E731
+    shipped = get()  # no file in the package for "GPU X": the heuristic
+    assert shipped == configs.default_config(64, 4, 256, 512, 2, 128, 4)
+    with bench.triton_form("plugin-triton-alt"):
+        assert get() == entry
+    assert get() == shipped and configs.CONFIG_DIR.name == "configs"  # restored, cache cleared
+    monkeypatch.setattr(bench, "ALT_CONFIG_DIR", None)
+    with pytest.raises(bench.NotApplicable, match="--alt-config-dir"), bench.triton_form("plugin-triton-alt"):
+        pass

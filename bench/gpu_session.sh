@@ -48,8 +48,10 @@ rc=0
 for step in "$@"; do
   t_step=$SECONDS
   case "$step" in
+    # every GEMM launch of profile_kernels.py's providers (3 x --iters 3 x 2 GEMMs), matched on the base
+    # function name: vLLM's Marlin MoE kernel is `Marlin`, its weight repack (not wanted) `gptq_marlin_repack_kernel`
     profile) ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null) || { echo "no ncu on this machine"; continue; }
-             timeout ${PROFILE_TIMEOUT:-300} "$ncu" --kernel-name regex:'moe_wna16|marlin|fused_moe' --launch-skip 6 --launch-count 12 \
+             timeout ${PROFILE_TIMEOUT:-300} "$ncu" --kernel-name regex:'moe_wna16_mma|moe_wna16_gemv|_fused_moe_wna16|^Marlin' --launch-skip 0 --launch-count ${PROFILE_LAUNCHES:-18} \
                --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
                --section Occupancy --section LaunchStats python3 bench/profile_kernels.py ${PROFILE_ARGS:-} 2>&1 \
                | grep --line-buffered -v "^INFO\|^WARNING" | tee "$OUT/profile.log" | tail -60 ;;

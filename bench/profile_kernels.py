@@ -1,7 +1,7 @@
 """Run one MoE layer's kernels a few times for Nsight Compute (GPU): the plugin's `cuda` (mma) and
 `triton` backends and vLLM's Marlin, on one benchmark shape and batch size.
 
-    ncu --kernel-name regex:'moe_wna16|marlin|fused_moe' --launch-skip 6 --launch-count 8 \\
+    ncu --kernel-name regex:'moe_wna16_mma|moe_wna16_gemv|_fused_moe_wna16|^Marlin' --launch-count 18 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \\
         --section SchedulerStats --section Occupancy python3 bench/profile_kernels.py --shape mixtral-8x7b --m 1
 

@@ -172,6 +172,8 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
     use_td, cuda_kernel = None, None
     if name == "cuda-gemv":  # the CUDA-core kernel, where the tensor-core one would run
         name, cuda_kernel = "cuda", "gemv"
+    elif name.startswith("cuda-"):  # a launch geometry of CUDA_FORMS
+        name = "cuda"
     if name in ("triton-auto", "triton-alt"):  # TD as the tuned config and td_gate decide: what the plugin runs
         name = "triton"  # (-alt: with the configs of --alt-config-dir, see triton_form)
     elif name.startswith("triton"):  # plugin-triton: pointer loads forced; plugin-triton-td: TD forced
@@ -204,6 +206,17 @@ TRITON_FORMS = {
 }
 
 
+# Providers that time the CUDA kernel under another launch geometry (cuda_ops.MIN_CTAS: the grid
+# BLOCK_SIZE_N is halved toward; MIN_WARP_STEPS: the K steps a warp keeps while it is halved)
+CUDA_FORMS = {
+    "plugin-cuda-ctas1": {"MIN_CTAS": 132},
+    "plugin-cuda-ctas4": {"MIN_CTAS": 4 * 132},
+    "plugin-cuda-steps4": {"MIN_WARP_STEPS": 4},
+    "plugin-cuda-steps0": {"MIN_WARP_STEPS": 0},  # the halving before MIN_WARP_STEPS
+    "plugin-cuda-ctas4-steps4": {"MIN_CTAS": 4 * 132, "MIN_WARP_STEPS": 4},
+}
+
+
 # plugin-triton-alt reads its tuned configs from this directory (--alt-config-dir): candidate entries
 # timed side by side with the shipped ones (plugin-triton-auto) in the same run
 ALT_CONFIG_DIR: Path | None = None
@@ -211,13 +224,15 @@ ALT_CONFIG_DIR: Path | None = None
 
 @contextlib.contextmanager
 def triton_form(prov: str):
-    """The kernel form of `prov` (TRITON_FORMS) and, for plugin-triton-alt, its config directory,
+    """The kernel form of `prov` (TRITON_FORMS, CUDA_FORMS) and, for plugin-triton-alt, its config directory,
     while a call is checked and captured; the CUDA graph keeps the kernels it captured."""
+    from vllm_wna16_plugin.kernels import cuda_ops
     from vllm_wna16_plugin.kernels.triton import configs, fused_moe
 
-    saved = {name: getattr(fused_moe, name) for name in TRITON_FORMS.get(prov, {})}
-    for name, value in TRITON_FORMS.get(prov, {}).items():
-        setattr(fused_moe, name, value)
+    module, form = (cuda_ops, CUDA_FORMS[prov]) if prov in CUDA_FORMS else (fused_moe, TRITON_FORMS.get(prov, {}))
+    saved = {name: getattr(module, name) for name in form}
+    for name, value in form.items():
+        setattr(module, name, value)
     alt = prov == "plugin-triton-alt"
     if alt:
         if ALT_CONFIG_DIR is None:
@@ -228,7 +243,7 @@ def triton_form(prov: str):
         yield
     finally:
         for name, value in saved.items():
-            setattr(fused_moe, name, value)
+            setattr(module, name, value)
         if alt:
             configs.CONFIG_DIR = shipped
             configs.get_triton_moe_config.cache_clear()
@@ -402,23 +417,30 @@ def main() -> int:
 
 
 def record_crossovers(
-    rows, shapes: list[Shape], device_name: str, crossover_dir: Path, source: Path, triton_column: str = "plugin-triton"
+    rows,
+    shapes: list[Shape],
+    device_name: str,
+    crossover_dir: Path,
+    source: Path,
+    triton_column: str = "plugin-triton",
+    cuda_column: str = "plugin-cuda",
 ) -> str:
     """Write each shape's measured cuda-over-triton ranges (crossover.measured_ranges) for this device.
 
-    triton_column: the source table's column that timed the Triton kernel (recorded when it is not
-    plugin-triton, e.g. a form measured before it became the default; rows name it plugin-triton)."""
+    triton_column / cuda_column: the source table's columns that timed the Triton kernel and the CUDA
+    kernel as the plugin runs them (recorded when they are not plugin-triton / plugin-cuda, e.g. a form
+    or launch geometry measured before it became the default)."""
     from vllm_wna16_plugin import crossover
 
     entries, lines = {}, []
     for s in shapes:
         times = {}
         for shape, m, prov, r in rows:
-            if shape == s.name and prov in ("plugin-cuda", triton_column) and isinstance(r[0], float):
+            if shape == s.name and prov in (cuda_column, triton_column) and isinstance(r[0], float):
                 times.setdefault(m, {})[prov] = r[0]
-        pairs = {m: (t["plugin-cuda"], t[triton_column]) for m, t in times.items() if len(t) == 2}
+        pairs = {m: (t[cuda_column], t[triton_column]) for m, t in times.items() if len(t) == 2}
         if not pairs:
-            lines.append(f"{s.name}: plugin-cuda and plugin-triton were not both timed; no crossover")
+            lines.append(f"{s.name}: {cuda_column} and {triton_column} were not both timed; no crossover")
             continue
         ranges = crossover.measured_ranges(pairs)
         key = crossover.layer_key(s.E, s.H, s.I, s.gs, 4)
@@ -428,6 +450,8 @@ def record_crossovers(
         }
         if triton_column != "plugin-triton":
             entries[key]["triton_provider"] = triton_column
+        if cuda_column != "plugin-cuda":
+            entries[key]["cuda_provider"] = cuda_column
         won = ", ".join(f"M={lo}..{hi}" for lo, hi in ranges) or "nowhere"
         lines.append(f"{s.name}: cuda beats triton at {won} of M={sorted(pairs)} ({key})")
     path = crossover.write_crossovers(entries, device_name, crossover_dir)

@@ -23,15 +23,16 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_moe import SHAPES, record_crossovers  # noqa: E402
 
 
-def rows_from_csv(path: Path, triton_provider: str) -> list[tuple[str, int, str, tuple]]:
-    """(shape, M, provider, (median µs,)) of plugin-cuda and of `triton_provider` (renamed plugin-triton)."""
+def rows_from_csv(
+    path: Path, triton_provider: str, cuda_provider: str = "plugin-cuda"
+) -> list[tuple[str, int, str, tuple]]:
+    """(shape, M, provider, (median µs,)) of the `cuda_provider` and `triton_provider` columns."""
     rows = []
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
-            if not r["median_us"] or r["provider"] not in ("plugin-cuda", triton_provider):
+            if not r["median_us"] or r["provider"] not in (cuda_provider, triton_provider):
                 continue
-            prov = "plugin-cuda" if r["provider"] == "plugin-cuda" else "plugin-triton"
-            rows.append((r["shape"], int(r["M"]), prov, (float(r["median_us"]),)))
+            rows.append((r["shape"], int(r["M"]), r["provider"], (float(r["median_us"]),)))
     return rows
 
 
@@ -39,15 +40,31 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", type=Path)
     ap.add_argument("--triton-provider", default="plugin-triton")
+    ap.add_argument(
+        "--cuda-provider",
+        default="plugin-cuda",
+        help="the column that times the CUDA kernel as the plugin now launches it (a geometry of CUDA_FORMS "
+        "measured before it became the default)",
+    )
     ap.add_argument("--device", required=True, help="torch.cuda.get_device_name() of the run, e.g. 'NVIDIA H200'")
     ap.add_argument("--out", type=Path, default=ROOT / "vllm_wna16_plugin" / "crossover")
     args = ap.parse_args()
-    rows = rows_from_csv(args.csv, args.triton_provider)
+    rows = rows_from_csv(args.csv, args.triton_provider, args.cuda_provider)
     if not rows:
-        raise SystemExit(f"{args.csv}: no plugin-cuda or {args.triton_provider} times")
+        raise SystemExit(f"{args.csv}: no {args.cuda_provider} or {args.triton_provider} times")
     shapes = [s for s in SHAPES if any(r[0] == s.name for r in rows)]
     source = args.csv.with_suffix(".md").resolve()
-    print(record_crossovers(rows, shapes, args.device, args.out, source, triton_column=args.triton_provider))
+    print(
+        record_crossovers(
+            rows,
+            shapes,
+            args.device,
+            args.out,
+            source,
+            triton_column=args.triton_provider,
+            cuda_column=args.cuda_provider,
+        )
+    )
     return 0
 
 

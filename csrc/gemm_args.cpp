@@ -12,6 +12,25 @@ namespace wna16_plus {
     if (!(cond)) return cat(__VA_ARGS__); \
   } while (0)
 
+namespace {
+
+// How a per-(row, group) table of an expert is laid out: (E, rows, G) contiguous (the checkpoint's order),
+// or group-major, the (E, rows, G) view of a contiguous (E, G, rows) tensor: there the values of one
+// group for consecutive rows are adjacent, which is what the mma kernel reads per step.
+struct TableLayout {
+  bool valid = false;
+  int64_t stride_row = 0, stride_group = 0;
+};
+
+TableLayout table_layout(const at::Tensor& t) {
+  const int64_t rows = t.size(1), groups = t.size(2);
+  if (t.is_contiguous()) return {true, groups, 1};
+  if (t.stride(0) == rows * groups && t.stride(1) == 1 && t.stride(2) == rows) return {true, 1, rows};
+  return {};
+}
+
+}  // namespace
+
 std::string gemm_args_error(const at::Tensor& a, const at::Tensor& qweight, const at::Tensor& scales,
                             const std::optional<at::Tensor>& qzeros, const std::optional<at::Tensor>& topk_weights,
                             const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
@@ -31,11 +50,15 @@ std::string gemm_args_error(const at::Tensor& a, const at::Tensor& qweight, cons
   WNA16_REQUIRE(N * bits % 8 == 0, "N=", N, " int", bits, " does not fill whole bytes of zero points");
   WNA16_REQUIRE(qweight.size(2) * 8 == K * bits, "qweight has ", qweight.size(2), " bytes per row but K=", K,
                 " int", bits, " needs ", K * bits / 8);
-  WNA16_REQUIRE(scales.dim() == 3 && scales.size(0) == E && scales.size(1) == N && scales.is_contiguous() &&
-                    scales.scalar_type() == a.scalar_type(),
-                "scales must be a contiguous (E=", E, ", N=", N, ", G) tensor in a's dtype, got ", scales.sizes(),
-                " ", scales.scalar_type());
+  WNA16_REQUIRE(scales.dim() == 3 && scales.size(0) == E && scales.size(1) == N && scales.scalar_type() == a.scalar_type(),
+                "scales must be an (E=", E, ", N=", N, ", G) tensor in a's dtype, got ", scales.sizes(), " ",
+                scales.scalar_type());
   const int64_t G = scales.size(2);
+  const TableLayout s_layout = table_layout(scales);
+  WNA16_REQUIRE(s_layout.valid, "scales must be contiguous (E, N, G) or the (E, N, G) view of a contiguous (E, G, N) ",
+                "tensor (group-major, see cuda_ops.group_major), got strides ", scales.strides());
+  shape->s_stride_n = s_layout.stride_row;
+  shape->s_stride_g = s_layout.stride_group;
   const std::string rule = launch_config_error(K, G, block_size_m, block_size_n, block_size_k, bits);
   WNA16_REQUIRE(rule.empty(), rule);
   WNA16_REQUIRE(a.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 == 0,
@@ -44,8 +67,13 @@ std::string gemm_args_error(const at::Tensor& a, const at::Tensor& qweight, cons
   if (qzeros.has_value()) {
     const auto& qz = *qzeros;
     WNA16_REQUIRE(qz.dim() == 3 && qz.size(0) == E && qz.size(1) == N * bits / 8 && qz.size(2) == G &&
-                      qz.scalar_type() == at::kByte && qz.is_contiguous(),
-                  "qzeros must be a contiguous (E, N*bits/8, G) uint8 tensor, got ", qz.sizes());
+                      qz.scalar_type() == at::kByte,
+                  "qzeros must be an (E, N*bits/8, G) uint8 tensor, got ", qz.sizes());
+    const TableLayout z_layout = table_layout(qz);
+    WNA16_REQUIRE(z_layout.valid, "qzeros must be contiguous (E, N*bits/8, G) or the view of a contiguous ",
+                  "(E, G, N*bits/8) tensor (group-major), got strides ", qz.strides());
+    shape->z_stride_n = z_layout.stride_row;
+    shape->z_stride_g = z_layout.stride_group;
     WNA16_REQUIRE(qz.device() == a.device(), "qzeros must be on ", a.device());
     z = qz.data_ptr();
   }
@@ -79,7 +107,8 @@ std::string gemm_args_error(const at::Tensor& a, const at::Tensor& qweight, cons
   const at::Tensor* same_device[] = {&qweight, &scales, &c, &sorted_token_ids, &expert_ids, &num_tokens_post_padded};
   for (const at::Tensor* t : same_device)
     WNA16_REQUIRE(t->device() == a.device(), "every tensor must be on ", a.device());
-  *shape = GemmShape{E, N, K, G, out_n, num_pairs, em, 0, false, gated, em < block_size_m || num_pairs == 0};
+  shape->E = E, shape->N = N, shape->K = K, shape->G = G, shape->out_n = out_n, shape->num_pairs = num_pairs;
+  shape->em = em, shape->gated = gated, shape->nothing_to_do = em < block_size_m || num_pairs == 0;
   if (shape->nothing_to_do) return "";
 
   WNA16_REQUIRE(kernel == "auto" || kernel == "mma" || kernel == "gemv", "kernel must be auto, mma or gemv, got ",

@@ -19,6 +19,8 @@ namespace wna16_plus {
 // What the launcher needs once the arguments are accepted.
 struct GemmShape {
   int64_t E = 0, N = 0, K = 0, G = 0, out_n = 0, num_pairs = 0, em = 0, vec_bytes = 0;
+  // element strides of a row and of a group in scales and qzeros (see TableLayout in gemm_args.cpp)
+  int64_t s_stride_n = 0, s_stride_g = 1, z_stride_n = 0, z_stride_g = 1;
   bool use_mma = false, gated = false;
   bool nothing_to_do = false;  // no whole block of sorted ids, or no pairs: accepted, nothing launched
 };

@@ -52,7 +52,8 @@ std::string moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const
                num_tokens_post_padded.data_ptr<int32_t>(), c.data_ptr(), static_cast<int>(s.num_pairs),
                static_cast<int>(top_k), static_cast<int>(s.N), static_cast<int>(s.K), static_cast<int>(s.G),
                static_cast<int>(block_size_m), static_cast<int>(block_size_n),
-               activation == "silu" ? 1 : activation == "gelu" ? 2 : 0, static_cast<int>(s.out_n)};
+               activation == "silu" ? 1 : activation == "gelu" ? 2 : 0, static_cast<int>(s.out_n),
+               s.s_stride_n, s.s_stride_g, s.z_stride_n, s.z_stride_g};
   const bool fp16 = a.scalar_type() == at::kHalf;
   if (s.use_mma) {
     const cudaError_t setup = launch_moe_wna16_mma(p, fp16, static_cast<int>(bits), grid, stream);

@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) moe_wna16_gemv_kernel(const GemmPara
       for (int t = 0; t < kTokensPerPass; ++t) acc[t] = 0.0f;
       if (n < n_end) {
         const uint8_t* w_row = w_expert + static_cast<int64_t>(n) * row_bytes;
-        const T* s_row = s_expert + static_cast<int64_t>(n) * num_groups;
+        const T* s_row = s_expert + static_cast<int64_t>(n) * p.s_stride_n;
         float zero_sym = static_cast<float>(1 << (BITS - 1));
 #pragma unroll 2
         for (int v = lane_in_col; v < vecs_per_row; v += lanes) {
@@ -111,10 +111,10 @@ __global__ void __launch_bounds__(kThreads) moe_wna16_gemv_kernel(const GemmPara
           load_bytes<VEC_BYTES>(w_row + static_cast<int64_t>(v) * VEC_BYTES, bytes);
           const int k0 = v * VALS;
           const int g = k0 / group_size;  // a vector never straddles two groups (launch_rules.h)
-          const float scale = to_float(s_row[g]);
+          const float scale = to_float(s_row[g * p.s_stride_g]);
           float zero = zero_sym;
           if (z_expert != nullptr) {
-            const uint8_t zb = z_expert[static_cast<int64_t>(n) * BITS / 8 * num_groups + g];
+            const uint8_t zb = z_expert[static_cast<int64_t>(n) * BITS / 8 * p.z_stride_n + g * p.z_stride_g];
             zero = BITS == 4 ? static_cast<float>((n & 1) ? (zb >> 4) : (zb & 0xF)) : static_cast<float>(zb);
           }
           float w[VALS];

@@ -1,13 +1,19 @@
 // The tensor-core WNA16 MoE GEMM for decode and small batches (the main kernel behind
 // wna16_plus::moe_wna16_gemm; the contract is in moe_wna16_gemm.cu).
 //
-// Why tensor cores at M = 1: the work is a stream of weights, but dequantizing int4 on CUDA cores
-// in float32 costs about five instructions per weight, which caps the stream well below the HBM
-// bandwidth. Here the weights are the A operand of mma.sync.m16n8k16 (16 output columns by 16 k)
-// and up to 8 tokens are the B operand (16 k by 8 tokens), so one instruction consumes 256
-// weights; the dequantization is done on pairs (bf16x2 / f16x2), with the exponent trick
-// (0x4300 | q is the bf16 128 + q; 0x6400 | q the fp16 1024 + q) and one subtract and one multiply
-// per pair. Accumulation is float32 in the tensor core.
+// Why tensor cores at M = 1: the work is a stream of weights, and what caps the stream below the HBM
+// bandwidth is the number of instructions issued per weight (an H200 SM issues 4 warp instructions a
+// cycle, and needs about 16 weight bytes a cycle to keep up with HBM). Here the weights are the A
+// operand of mma.sync.m16n8k16 (16 output columns by 16 k) and up to 8 tokens are the B operand (16 k
+// by 8 tokens), so one instruction consumes 256 weights, and the dequantization is done on pairs
+// (bf16x2 / f16x2) with the exponent trick: one lop3 makes (0x4300 | q), the bf16 128 + q, or
+// (0x6400 | q), the fp16 1024 + q, for two weights at once, and one subtract of (128 + z) pairs gives
+// q - z exactly. Accumulation is float32 in the tensor core.
+//
+// Where the scale goes (ScaleMode): a scale is a per-(row, group) factor of the k sum, so when the k of
+// an mma all lie in one group, the mma can run on the exact integers q - z and its float32 result takes
+// the scale: once per step (groups of >= 4 chunks, e.g. int4 gs128) or once per tile (channel-wise).
+// Only shorter groups (int4 gs32/gs64, int8 gs32) multiply each pair by its scale before the mma.
 //
 // A reduction over k may visit k in any order, as long as A and B agree. Each lane loads one
 // 16-byte chunk (32 int4 or 16 int8 values of k) of each of its two rows, and the k slots of the
@@ -36,40 +42,24 @@
 #include "wna16_common.cuh"
 
 namespace wna16_plus {
+
 namespace {
 
-constexpr int kStages = 6;  // cp.async ring depth (steps per warp)
-
-// Shared memory of the ring, per block: 16-byte weight chunks and 4-byte scale / zero-point words
-// of 2 rows for every thread and stage.
-constexpr int kRingBytes = kStages * 2 * kThreads * (16 + 4 + 4);
-template <typename T>
-struct Pair;
-template <>
-struct Pair<__half> {
-  using type = __half2;
-  static constexpr uint32_t kMagic = 0x64006400u;  // f16 1024 + q (q < 1024)
-  static constexpr float kBias = 1024.0f;
-  static __device__ __forceinline__ __half2 splat(float v) { return __float2half2_rn(v); }
-  static __device__ __forceinline__ __half2 make(float lo, float hi) { return __floats2half2_rn(lo, hi); }
-};
-template <>
-struct Pair<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-  static constexpr uint32_t kMagic = 0x43004300u;  // bf16 128 + q (q < 128)
-  static constexpr float kBias = 128.0f;
-  static __device__ __forceinline__ __nv_bfloat162 splat(float v) { return __float2bfloat162_rn(v); }
-  static __device__ __forceinline__ __nv_bfloat162 make(float lo, float hi) { return __floats2bfloat162_rn(lo, hi); }
+// The cp.async ring of a warp that streams RT row tiles (2 RT rows a lane): its depth in steps, and
+// its shared memory per block (16-byte weight chunks and 4-byte scale / zero-point words of every row,
+// thread and stage). Both depths keep about 5-6 KB of weights in flight per warp.
+template <int RT>
+struct RingShape {
+  static constexpr int kStages = RT == 1 ? 6 : 4;
+  static constexpr int kBytes = kStages * 2 * RT * kThreads * (16 + 4 + 4);
 };
 
-template <typename P>
-__device__ __forceinline__ uint32_t as_u32(P v) {
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <typename P>
-__device__ __forceinline__ P as_pair(uint32_t v) {
-  return *reinterpret_cast<P*>(&v);
-}
+// Where a group's scale multiplies (see the header). The host picks it from the group length.
+enum ScaleMode : int {
+  kScalePairs = 0,  // groups shorter than a step: each dequantized pair, before the mma
+  kScaleSteps = 1,  // every step lies in one group: the step's float32 mma result
+  kScaleRows = 2,   // channel-wise: the tile's float32 sums, once at the end
+};
 
 __device__ __forceinline__ uint32_t shared_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -87,7 +77,103 @@ __device__ __forceinline__ void wait_copies() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
 }
 
+// (a & mask) | bits in one instruction (nvcc emits an and and an or for the C expression).
+template <uint32_t MASK, uint32_t BITS>
+__device__ __forceinline__ uint32_t and_or(uint32_t a) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "n"(BITS));
+  return d;
+}
+
 __device__ __forceinline__ uint32_t word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
+// The arithmetic of the activation dtype on 32-bit pairs.
+template <typename T>
+struct Pairs;
+template <>
+struct Pairs<__half> {
+  using P = __half2;
+  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) { return bits(__hsub2(pair(a), pair(b))); }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) { return bits(__hmul2(pair(a), pair(b))); }
+  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
+    return bits(__hfma2(pair(a), pair(b), pair(c)));
+  }
+  static __device__ __forceinline__ uint32_t from_floats(float lo, float hi) { return bits(__floats2half2_rn(lo, hi)); }
+  static __device__ __forceinline__ float to_float(uint32_t half_bits) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(half_bits)));
+  }
+  static __device__ __forceinline__ P pair(uint32_t v) { return *reinterpret_cast<P*>(&v); }
+  static __device__ __forceinline__ uint32_t bits(P v) { return *reinterpret_cast<uint32_t*>(&v); }
+};
+template <>
+struct Pairs<__nv_bfloat16> {
+  using P = __nv_bfloat162;
+  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) { return bits(__hsub2(pair(a), pair(b))); }
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) { return bits(__hmul2(pair(a), pair(b))); }
+  static __device__ __forceinline__ uint32_t from_floats(float lo, float hi) {
+    return bits(__floats2bfloat162_rn(lo, hi));
+  }
+  static __device__ __forceinline__ float to_float(uint32_t bf16_bits) { return __uint_as_float(bf16_bits << 16); }
+  static __device__ __forceinline__ P pair(uint32_t v) { return *reinterpret_cast<P*>(&v); }
+  static __device__ __forceinline__ uint32_t bits(P v) { return *reinterpret_cast<uint32_t*>(&v); }
+};
+
+// The zero point of one row and group as the pairs the dequantization subtracts (z: 0 .. 2^BITS - 1).
+template <typename T, int BITS>
+struct Bias {
+  uint32_t sub;    // int4: (magic + z) twice; int8 fp16: (1024 + z) twice; int8 bf16: unused
+  uint32_t sub16;  // int4 fp16: -(64 + z) twice, for the high nibble of a byte (1024 + 16 q) / 16
+  float zero;      // int8 bf16: 2^23 + z, for the float32 path
+  static __device__ __forceinline__ Bias make(uint32_t z) {
+    Bias b;
+    if constexpr (std::is_same_v<T, __half>) {
+      b.sub = (0x6400u | z) * 0x10001u;  // 1024 + z: exact below 2048
+      b.sub16 = (0xD400u + (z << 4)) * 0x10001u;  // -(64 + z): ulp 1/16 at 64
+    } else {
+      b.sub = (0x4300u | z) * 0x10001u;  // 128 + z (int4 only: z < 16)
+      b.sub16 = 0;
+    }
+    b.zero = 8388608.0f + static_cast<float>(z);
+    return b;
+  }
+};
+
+// The four (q - z) pairs of an int4 word: nibbles (k, k + 4) for k = 0..3, in the order the mma
+// fragment takes them (pairs 0 and 1 feed one mma, 2 and 3 the next). Exact in bf16 and fp16.
+template <typename T>
+__device__ __forceinline__ void centered_int4(uint32_t w, const Bias<T, 4>& b, uint32_t (&out)[4]) {
+  using A = Pairs<T>;
+  if constexpr (std::is_same_v<T, __half>) {
+    // the high nibble of a byte fits the fp16 mantissa as 16 q: 1024 + 16 q, scaled back by the fma
+    constexpr uint32_t kSixteenth = 0x2C002C00u;  // 1/16
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t v = h == 0 ? w : w >> 8;
+      out[2 * h] = A::sub(and_or<0x000F000Fu, 0x64006400u>(v), b.sub);
+      out[2 * h + 1] = A::fma(and_or<0x00F000F0u, 0x64006400u>(v), kSixteenth, b.sub16);
+    }
+  } else {
+    // the bf16 mantissa has 7 bits: every nibble is shifted down to bits 0-3 first
+#pragma unroll
+    for (int s = 0; s < 4; ++s) out[s] = A::sub(and_or<0x000F000Fu, 0x43004300u>(w >> (4 * s)), b.sub);
+  }
+}
+
+// The two (q - z) pairs of an int8 word: bytes (0, 2) and (1, 3). Exact in both dtypes.
+template <typename T>
+__device__ __forceinline__ void centered_int8(uint32_t w, const Bias<T, 8>& b, uint32_t (&out)[2]) {
+  using A = Pairs<T>;
+  if constexpr (std::is_same_v<T, __half>) {
+    out[0] = A::sub(__byte_perm(w, 0x64u, 0x4240), b.sub);  // (1024 + b0, 1024 + b2) - (1024 + z)
+    out[1] = A::sub(__byte_perm(w, 0x64u, 0x4341), b.sub);
+  } else {  // 2^23 + b is the float whose low mantissa bits are the byte; the difference is exact
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + i)) - b.zero;
+    out[0] = A::from_floats(v[0], v[2]);
+    out[1] = A::from_floats(v[1], v[3]);
+  }
+}
 
 // d += A (16 x 16, row) * B (16 x 8, col), float32 accumulate.
 template <typename T>
@@ -108,94 +194,30 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
   }
 }
 
-// One row's share of a step: its 16-byte chunk, scale, and zero point (scale 0 = no row / no chunk).
-struct RowChunk {
-  uint4 w;
-  float scale;
-  float zero;
-};
+// One of the lane's weight rows in a tile: the addresses of its bytes, scales and zero points.
+template <int BITS>
+struct Row {
+  const uint8_t* w;   // the lane's next chunk to copy (advanced one warp step per issue)
+  const uint8_t* s;   // the row's scale of group 0 (bytes)
+  const uint8_t* z;   // the row's zero-point byte of group 0 (packed along N)
+  int s_step, z_step;  // bytes from one group to the next (group-major tables: a row of the table apart)
+  int z_shift;        // 4 for odd n of int4 (high nibble), else 0
+  bool valid;         // a row of the block's columns (else its copies are zeros and its sums unused)
 
-// This lane's slots of the ring: stage d, row r (0: lo, 1: hi).
-struct Ring {
-  uint4* w;
-  uint32_t* s;
-  uint32_t* z;
-  __device__ __forceinline__ int slot(int d, int r) const { return (d * 2 + r) * kThreads + threadIdx.x; }
-};
-
-// Where one of the lane's two rows lives; issue() starts the copies of a chunk, read() returns it.
-template <typename T, int BITS>
-struct RowStream {
-  const uint8_t* w_row;
-  int64_t s_index;  // element index of the row's first scale in the scales tensor
-  int64_t z_index;  // byte index of the row's first zero-point byte, or -1 (symmetric)
-  int z_shift;      // 4 for odd n of int4 (high nibble), else 0
-  bool valid;
-
-  __device__ __forceinline__ void issue(const GemmParams& p, const Ring& ring, int d, int r, int chunk, int chunks,
-                                        int group_shift) const {
-    const bool live = valid && chunk < chunks;
-    const int g = live ? chunk >> group_shift : 0;
-    const int slot = ring.slot(d, r);
-    copy_async16(ring.w + slot, live ? w_row + static_cast<int64_t>(chunk) * 16 : p.qweight, live);
-    const int64_t si = s_index + g;  // the aligned 4-byte word holding the scale
-    copy_async4(ring.s + slot, static_cast<const uint8_t*>(p.scales) + ((si * 2) & ~int64_t{3}), live);
-    if (z_index >= 0) copy_async4(ring.z + slot, p.qzeros + ((z_index + g) & ~int64_t{3}), live);
+  // The 4-byte words holding the scale and zero point of group g (cp.async copies aligned words).
+  __device__ __forceinline__ const void* scale_word(int g) const {
+    return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(s + g * s_step) & ~uintptr_t{3});
   }
-
-  __device__ __forceinline__ RowChunk read(const Ring& ring, int d, int r, int chunk, int group_shift) const {
-    const int g = chunk >> group_shift;
-    const int slot = ring.slot(d, r);
-    RowChunk out;
-    out.w = ring.w[slot];
-    const uint32_t sw = ring.s[slot];
-    const uint16_t bits = static_cast<uint16_t>(((s_index + g) & 1) ? sw >> 16 : sw & 0xFFFFu);
-    out.scale = to_float(*reinterpret_cast<const T*>(&bits));
-    out.zero = static_cast<float>(1 << (BITS - 1));
-    if (z_index >= 0) {
-      const uint32_t zw = ring.z[slot];
-      out.zero = static_cast<float>((zw >> (8 * ((z_index + g) & 3) + z_shift)) & ((1u << BITS) - 1));
-    }
-    return out;
+  __device__ __forceinline__ const void* zero_word(int g) const {
+    return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(z + g * z_step) & ~uintptr_t{3});
+  }
+  __device__ __forceinline__ uint32_t scale_bits(uint32_t word, int g) const {
+    return (reinterpret_cast<uintptr_t>(s + g * s_step) & 2) ? word >> 16 : word & 0xFFFFu;
+  }
+  __device__ __forceinline__ uint32_t zero(uint32_t word, int g) const {
+    return (word >> (8 * (reinterpret_cast<uintptr_t>(z + g * z_step) & 3) + z_shift)) & ((1u << BITS) - 1);
   }
 };
-
-// The A fragment of word j of both rows, for the two mmas it feeds (int4: nibble pairs (s, s+4)).
-template <typename T>
-__device__ __forceinline__ void dequant_int4(const RowChunk& lo, const RowChunk& hi, int j, uint32_t (&frag)[2][4]) {
-  using P = typename Pair<T>::type;
-  const P bias_lo = Pair<T>::splat(Pair<T>::kBias + lo.zero), bias_hi = Pair<T>::splat(Pair<T>::kBias + hi.zero);
-  const P scale_lo = Pair<T>::splat(lo.scale), scale_hi = Pair<T>::splat(hi.scale);
-  const uint32_t wl = word(lo.w, j), wh = word(hi.w, j);
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const uint32_t ql = ((wl >> (4 * s)) & 0x000F000Fu) | Pair<T>::kMagic;
-    const uint32_t qh = ((wh >> (4 * s)) & 0x000F000Fu) | Pair<T>::kMagic;
-    // mma s/2 takes pairs s (k slots 2q, 2q+1) and s+1 (slots 2q+8, 2q+9): regs {lo, hi, lo, hi}
-    frag[s / 2][(s % 2) * 2 + 0] = as_u32(__hmul2(__hsub2(as_pair<P>(ql), bias_lo), scale_lo));
-    frag[s / 2][(s % 2) * 2 + 1] = as_u32(__hmul2(__hsub2(as_pair<P>(qh), bias_hi), scale_hi));
-  }
-}
-
-// The A fragment of word j of both rows for its one mma (int8: byte pairs (0, 2) and (1, 3)), via
-// float32: 2^23 + b is the float whose low mantissa bits are the byte.
-template <typename T>
-__device__ __forceinline__ void dequant_int8(const RowChunk& lo, const RowChunk& hi, int j, uint32_t (&frag)[4]) {
-  float v[2][4];
-  const RowChunk* rows[2] = {&lo, &hi};
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const uint32_t w = word(rows[r]->w, j);
-    const float bias = 8388608.0f + rows[r]->zero;
-#pragma unroll
-    for (int b = 0; b < 4; ++b)
-      v[r][b] = (__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + b)) - bias) * rows[r]->scale;
-  }
-  frag[0] = as_u32(Pair<T>::make(v[0][0], v[0][2]));
-  frag[1] = as_u32(Pair<T>::make(v[1][0], v[1][2]));
-  frag[2] = as_u32(Pair<T>::make(v[0][1], v[0][3]));
-  frag[3] = as_u32(Pair<T>::make(v[1][1], v[1][3]));
-}
 
 // act(gate) * up in float32: 1 = silu, 2 = gelu (erf), as the plugin's Triton activation kernel.
 __device__ __forceinline__ float gated_activation(float gate, float up, int activation) {
@@ -203,14 +225,22 @@ __device__ __forceinline__ float gated_activation(float gate, float up, int acti
   return act * up;
 }
 
-template <typename T, int BITS, int TT>
+template <typename T, int BITS, int TT, int SCALES, bool HAS_ZP, int RT>
 __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmParams p) {
-  constexpr int kChunkVals = 128 / BITS;  // k per 16-byte chunk
+  using A = Pairs<T>;
+  using B = Bias<T, BITS>;
+  using Ring = RingShape<RT>;
+  constexpr int kRows = 2 * RT;                           // weight rows per lane: lo and hi of RT tiles
+  constexpr int kStages = Ring::kStages;
+  constexpr int kChunkVals = 128 / BITS;                 // k per 16-byte chunk
+  constexpr int kVecs = kChunkVals * sizeof(T) / 16;     // 16-byte activation vectors per chunk
+  constexpr bool kStepScales = SCALES != kScaleRows;     // scale words travel with the chunks
+  constexpr bool kStepZeros = HAS_ZP && kStepScales;     // and so do zero-point words
   __shared__ int s_pairs[kMaxBlockM];
-  __shared__ float s_partial[kWarps][TT][4][32];
-  extern __shared__ uint4 s_ring[];  // kRingBytes
-  const Ring ring{s_ring, reinterpret_cast<uint32_t*>(s_ring + kStages * 2 * kThreads),
-                  reinterpret_cast<uint32_t*>(s_ring + kStages * 2 * kThreads) + kStages * 2 * kThreads};
+  extern __shared__ uint4 s_ring[];  // Ring::kBytes: [stage][row][thread] chunks, then scale and zero words
+  uint4* const ring_w = s_ring + threadIdx.x;  // this lane's slots; slot (stage d, row r) at (kRows d + r) * kThreads
+  uint32_t* const ring_s = reinterpret_cast<uint32_t*>(s_ring + kStages * kRows * kThreads) + threadIdx.x;
+  uint32_t* const ring_z = ring_s + kStages * kRows * kThreads;
   const int n_begin = blockIdx.y * p.block_n;
   const int n_end = min(p.out_n, n_begin + p.block_n);  // output columns
   int expert;
@@ -220,9 +250,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
   const int tile_cols = gated ? 8 : 16;  // output columns per 16-row tile
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   const int ntiles = (n_end - n_begin + tile_cols - 1) / tile_cols;
-  const int tiles_par = min(ntiles, kWarps);
-  const int ksplit = kWarps / tiles_par;
-  const int tile_slot = warp % tiles_par, kslice = warp / tiles_par;
+  const int nunits = (ntiles + RT - 1) / RT;  // a warp streams RT tiles at once (a unit)
+  const int units_par = min(nunits, kWarps);
+  const int ksplit = kWarps / units_par;
+  const int unit_slot = warp % units_par, kslice = warp / units_par;
   const int chunks = p.K * BITS / 128;  // 16-byte chunks per weight row
   const int steps = (chunks + 3) / 4;
   // the scale group of chunk c is c >> group_shift: launch_rules.h admits this kernel only where a group
@@ -232,51 +263,87 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
   const int64_t row_bytes = static_cast<int64_t>(p.K) * BITS / 8;
   const T* a = static_cast<const T*>(p.a);
   T* c = static_cast<T*>(p.c);
+  const B symmetric = B::make(1u << (BITS - 1));
+  const B nothing = B::make(0);  // for chunks past K: q - 0 of a zero-filled chunk is 0
 
   for (int t0 = 0; t0 < p.block_m; t0 += 8 * TT) {
     bool any = false;  // uniform over the block: skip passes of padding only
     for (int i = t0; i < min(p.block_m, t0 + 8 * TT); ++i) any |= s_pairs[i] < p.num_pairs;
     if (!any) continue;
-    const T* a_row[TT];  // this lane's B column (token g of each 8-token tile)
+    // this lane's B column: token g of each 8-token tile. A column without a token reads row 0 of a:
+    // column n of the mma result depends on column n of B alone, and that column is never stored.
+    const T* a_row[TT];
 #pragma unroll
     for (int tt = 0; tt < TT; ++tt) {
       const int idx = t0 + tt * 8 + g;
       const int pair = idx < p.block_m ? s_pairs[idx] : p.num_pairs;
-      a_row[tt] = pair < p.num_pairs ? a + static_cast<int64_t>(pair / p.top_k) * p.stride_am : nullptr;
+      a_row[tt] = a + (pair < p.num_pairs ? static_cast<int64_t>(pair / p.top_k) * p.stride_am : 0);
     }
 
-    for (int tile_base = 0; tile_base < ntiles; tile_base += tiles_par) {
-      const int tile = tile_base + tile_slot;
-      const bool active = kslice < ksplit && tile < ntiles;
-      float acc[TT][4];
+    for (int unit_base = 0; unit_base < nunits; unit_base += units_par) {
+      const int unit = unit_base + unit_slot;
+      const bool active = kslice < ksplit && unit < nunits;
+      float acc[RT][TT][4];
 #pragma unroll
-      for (int tt = 0; tt < TT; ++tt)
+      for (int t = 0; t < RT; ++t)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[tt][e] = 0.0f;
-      // the output columns of the fragment's rows g and g + 8, and their weight rows
-      const int n_lo = n_begin + tile * tile_cols + g, n_hi = gated ? n_lo : n_lo + 8;
+        for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[t][tt][e] = 0.0f;
+      // the output columns of the fragment's rows g and g + 8 in each tile of the unit
+      int n_lo[RT], n_hi[RT];
+#pragma unroll
+      for (int t = 0; t < RT; ++t) {
+        n_lo[t] = n_begin + (unit * RT + t) * tile_cols + g;
+        n_hi[t] = gated ? n_lo[t] : n_lo[t] + 8;
+      }
 
       if (active) {
-        RowStream<T, BITS> rows[2];
-        const int ns[2] = {n_lo, gated ? n_lo + p.out_n : n_hi};
+        Row<BITS> rows[kRows];  // rows 2t and 2t + 1: lo and hi of tile t
+        B row_bias[kRows];      // kScaleRows: the rows' zero points
+        float row_scale[kRows];  // kScaleRows: the rows' scales, applied at the end
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int n = ns[r];
+        for (int r = 0; r < kRows; ++r) {
+          const int t = r / 2;
+          const int n = r % 2 == 0 ? n_lo[t] : gated ? n_lo[t] + p.out_n : n_hi[t];  // gated: the up row
           const int64_t row = static_cast<int64_t>(expert) * p.N + n;
-          rows[r].valid = (r == 0 ? n_lo : n_hi) < n_end;
-          rows[r].w_row = p.qweight + row * row_bytes;
-          rows[r].s_index = row * p.num_groups;
-          rows[r].z_index =
-              p.qzeros == nullptr ? -1 : (static_cast<int64_t>(expert) * p.N * BITS / 8 + n * BITS / 8) * p.num_groups;
+          rows[r].valid = (r % 2 == 0 ? n_lo[t] : n_hi[t]) < n_end;
+          rows[r].w = p.qweight + row * row_bytes + (kslice * 4 + q) * 16;
+          rows[r].s = static_cast<const uint8_t*>(p.scales) +
+                      (static_cast<int64_t>(expert) * p.N * p.num_groups + n * p.s_stride_n) * 2;
+          rows[r].z = p.qzeros + static_cast<int64_t>(expert) * (p.N * BITS / 8) * p.num_groups +
+                      static_cast<int64_t>(n * BITS / 8) * p.z_stride_n;
+          rows[r].s_step = static_cast<int>(p.s_stride_g) * 2;
+          rows[r].z_step = static_cast<int>(p.z_stride_g);
           rows[r].z_shift = BITS == 4 && (n & 1) ? 4 : 0;
+          row_bias[r] = symmetric;
+          row_scale[r] = 0.0f;
+          if constexpr (SCALES == kScaleRows) {
+            if (rows[r].valid) {
+              row_scale[r] = A::to_float(*reinterpret_cast<const uint16_t*>(rows[r].s));
+              if constexpr (HAS_ZP) row_bias[r] = B::make((*rows[r].z >> rows[r].z_shift) & ((1u << BITS) - 1));
+            }
+          }
         }
-        // this warp's steps: kslice, kslice + ksplit, ...; kStages - 1 of them in flight
+        // this warp's steps: kslice, kslice + ksplit, ...; kStages - 1 of them in flight. Each issue
+        // copies the lane's chunk of every row (zeros past K) and, per group, the words of their scales
+        // and zero points (whenever the row exists: every lane of a step then holds its row's scale).
         const int my_steps = kslice < steps ? (steps - kslice + ksplit - 1) / ksplit : 0;
+        const int64_t w_advance = static_cast<int64_t>(ksplit) * 64;
+        int issue_chunk = kslice * 4 + q;
         auto issue_step = [&](int i, int stage) {
           if (i < my_steps) {
-            const int chunk = (kslice + i * ksplit) * 4 + q;
+            const bool in_k = issue_chunk < chunks;
+            const int grp = min(issue_chunk, chunks - 1) >> group_shift;
 #pragma unroll
-            for (int r = 0; r < 2; ++r) rows[r].issue(p, ring, stage, r, chunk, chunks, group_shift);
+            for (int r = 0; r < kRows; ++r) {
+              const int slot = (kRows * stage + r) * kThreads;
+              copy_async16(ring_w + slot, rows[r].w, rows[r].valid && in_k);
+              if constexpr (kStepScales) copy_async4(ring_s + slot, rows[r].scale_word(grp), rows[r].valid);
+              if constexpr (kStepZeros) copy_async4(ring_z + slot, rows[r].zero_word(grp), rows[r].valid);
+              rows[r].w += w_advance;
+            }
+            issue_chunk += 4 * ksplit;
           }
           commit_copies();  // one group per step, empty past the end: the wait count stays exact
         };
@@ -286,113 +353,213 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
         // ring stages of step i (read) and of step i + kStages - 1 (issued): i % kStages, kept as
         // running counters (kStages = 6 made each % a multiply-high sequence in the loop)
         int read_stage = 0, issue_stage = kStages - 1;
-        for (int i = 0; i < my_steps; ++i) {
-          const int chunk = (kslice + i * ksplit) * 4 + q;
-          // B: this lane's token's 16-byte activation vectors of the chunk (zeros past K or for no token)
-          constexpr int kVecs = kChunkVals * sizeof(T) / 16;
+        int chunk = kslice * 4 + q;  // the lane's chunk of step i
+        for (int i = 0; i < my_steps; ++i, chunk += 4 * ksplit) {
+          const bool in_k = chunk < chunks;
+          const int grp = min(chunk, chunks - 1) >> group_shift;
+          // B: this lane's token's 16-byte activation vectors of the chunk, shared by the unit's tiles
+          // (past K: any finite values, the weights' centered values are zero there)
           uint4 x[TT][kVecs];
 #pragma unroll
           for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
             for (int v = 0; v < kVecs; ++v)
-              x[tt][v] = a_row[tt] != nullptr && chunk < chunks
-                             ? __ldg(reinterpret_cast<const uint4*>(a_row[tt] + chunk * kChunkVals) + v)
-                             : make_uint4(0, 0, 0, 0);
+              x[tt][v] = __ldg(reinterpret_cast<const uint4*>(a_row[tt] + min(chunk, chunks - 1) * kChunkVals) + v);
           wait_copies<kStages - 2>();  // step i has landed
-          const RowChunk lo = rows[0].read(ring, read_stage, 0, chunk, group_shift);
-          const RowChunk hi = rows[1].read(ring, read_stage, 1, chunk, group_shift);
+          uint4 wv[kRows];
+          B bias[kRows];
+          uint32_t scale_bits[kRows];
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) {
+            const int slot = (kRows * read_stage + r) * kThreads;
+            wv[r] = ring_w[slot];
+            scale_bits[r] = 0;
+            if constexpr (kStepScales) scale_bits[r] = rows[r].scale_bits(ring_s[slot], grp);
+            if constexpr (kStepZeros)
+              bias[r] = B::make(rows[r].zero(ring_z[slot], grp));
+            else
+              bias[r] = row_bias[r];
+            if (!in_k) bias[r] = nothing;
+          }
           issue_step(i + kStages - 1, issue_stage);  // into the slot read one step ago
           read_stage = read_stage == kStages - 1 ? 0 : read_stage + 1;
           issue_stage = issue_stage == kStages - 1 ? 0 : issue_stage + 1;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            if constexpr (BITS == 4) {
-              uint32_t frag[2][4];
-              dequant_int4<T>(lo, hi, j, frag);
-#pragma unroll
-              for (int tt = 0; tt < TT; ++tt) {
-                const uint4& xv = x[tt][j];  // k 8j .. 8j+7 of the chunk
-                mma_16816<T>(acc[tt], frag[0][0], frag[0][1], frag[0][2], frag[0][3],
-                             __byte_perm(xv.x, xv.z, 0x5410), __byte_perm(xv.x, xv.z, 0x7632));
-                mma_16816<T>(acc[tt], frag[1][0], frag[1][1], frag[1][2], frag[1][3],
-                             __byte_perm(xv.y, xv.w, 0x5410), __byte_perm(xv.y, xv.w, 0x7632));
-              }
-            } else {
-              uint32_t frag[4];
-              dequant_int8<T>(lo, hi, j, frag);
-#pragma unroll
-              for (int tt = 0; tt < TT; ++tt) {
-                const uint4& xv = x[tt][j / 2];  // k 4j .. 4j+3 of the chunk
-                const uint32_t x_lo = j % 2 ? xv.z : xv.x, x_hi = j % 2 ? xv.w : xv.y;
-                mma_16816<T>(acc[tt], frag[0], frag[1], frag[2], frag[3], __byte_perm(x_lo, x_hi, 0x5410),
-                             __byte_perm(x_lo, x_hi, 0x7632));
-              }
-            }
-          }
-        }
-        wait_copies<0>();  // nothing of this tile may land in the next tile's ring
-      }
 
-      if (ksplit > 1) {  // add the K slices' partial sums (uniform branch: every warp syncs)
-        if (active && kslice > 0) {
 #pragma unroll
-          for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s_partial[warp][tt][e][lane] = acc[tt][e];
-        }
-        __syncthreads();
-        if (active && kslice == 0) {
-          for (int ks = 1; ks < ksplit; ++ks)
+          for (int t = 0; t < RT; ++t) {
+            const int lo_r = 2 * t, hi_r = 2 * t + 1;
+            // kScaleSteps: the step's exact sums, scaled once; otherwise straight into acc
+            float part[TT][4];
 #pragma unroll
             for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) acc[tt][e] += s_partial[warp + ks * tiles_par][tt][e][lane];
+              for (int e = 0; e < 4; ++e) part[tt][e] = SCALES == kScaleSteps ? 0.0f : acc[t][tt][e];
+            const uint32_t scale_lo = scale_bits[lo_r] * 0x10001u, scale_hi = scale_bits[hi_r] * 0x10001u;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              if constexpr (BITS == 4) {
+                uint32_t lo[4], hi[4];
+                centered_int4<T>(word(wv[lo_r], j), bias[lo_r], lo);
+                centered_int4<T>(word(wv[hi_r], j), bias[hi_r], hi);
+                if constexpr (SCALES == kScalePairs) {  // groups shorter than a step: the pairs take the scale
+#pragma unroll
+                  for (int s = 0; s < 4; ++s) {
+                    lo[s] = A::mul(lo[s], scale_lo);
+                    hi[s] = A::mul(hi[s], scale_hi);
+                  }
+                }
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) {
+                  const uint4& xv = x[tt][j];  // k 8j .. 8j+7 of the chunk
+                  // mma m takes pairs 2m (k slots 2q, 2q+1) and 2m + 1 (slots 2q+8, 2q+9): {lo, hi, lo, hi}
+                  mma_16816<T>(part[tt], lo[0], hi[0], lo[1], hi[1], __byte_perm(xv.x, xv.z, 0x5410),
+                               __byte_perm(xv.x, xv.z, 0x7632));
+                  mma_16816<T>(part[tt], lo[2], hi[2], lo[3], hi[3], __byte_perm(xv.y, xv.w, 0x5410),
+                               __byte_perm(xv.y, xv.w, 0x7632));
+                }
+              } else {
+                uint32_t lo[2], hi[2];
+                centered_int8<T>(word(wv[lo_r], j), bias[lo_r], lo);
+                centered_int8<T>(word(wv[hi_r], j), bias[hi_r], hi);
+                if constexpr (SCALES == kScalePairs) {
+#pragma unroll
+                  for (int s = 0; s < 2; ++s) {
+                    lo[s] = A::mul(lo[s], scale_lo);
+                    hi[s] = A::mul(hi[s], scale_hi);
+                  }
+                }
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) {
+                  const uint4& xv = x[tt][j / 2];  // k 4j .. 4j+3 of the chunk
+                  const uint32_t x_lo = j % 2 ? xv.z : xv.x, x_hi = j % 2 ? xv.w : xv.y;
+                  mma_16816<T>(part[tt], lo[0], hi[0], lo[1], hi[1], __byte_perm(x_lo, x_hi, 0x5410),
+                               __byte_perm(x_lo, x_hi, 0x7632));
+                }
+              }
+            }
+            // C fragment: e = 0, 1 -> row g (lo), e = 2, 3 -> row g + 8 (hi)
+            if constexpr (SCALES == kScaleSteps) {
+              const float s_lo = A::to_float(scale_bits[lo_r]), s_hi = A::to_float(scale_bits[hi_r]);
+#pragma unroll
+              for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[t][tt][e] = fmaf(part[tt][e], e < 2 ? s_lo : s_hi, acc[t][tt][e]);
+            } else {
+#pragma unroll
+              for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[t][tt][e] = part[tt][e];
+            }
+          }
+        }
+        wait_copies<0>();  // the ring is idle now: the next unit may reuse it, the K-split sums pass through it
+        if constexpr (SCALES == kScaleRows) {
+#pragma unroll
+          for (int t = 0; t < RT; ++t)
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[t][tt][e] *= row_scale[2 * t + (e < 2 ? 0 : 1)];
+        }
+      }
+
+      if (ksplit > 1) {  // add the K slices' partial sums (uniform branch: every warp syncs)
+        // through the ring slots of the lane that computed them (RT * TT float4 of its own slots, idle
+        // since its wait_copies<0> above)
+        if (active && kslice > 0) {
+#pragma unroll
+          for (int t = 0; t < RT; ++t)
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt)
+              ring_w[(t * TT + tt) * kThreads] = make_uint4(__float_as_uint(acc[t][tt][0]), __float_as_uint(acc[t][tt][1]),
+                                                            __float_as_uint(acc[t][tt][2]), __float_as_uint(acc[t][tt][3]));
         }
         __syncthreads();
+        if (active && kslice == 0) {
+          for (int ks = 1; ks < ksplit; ++ks) {
+            const uint4* other = s_ring + (warp + ks * units_par) * 32 + lane;
+#pragma unroll
+            for (int t = 0; t < RT; ++t)
+#pragma unroll
+              for (int tt = 0; tt < TT; ++tt) {
+                const uint4 v = other[(t * TT + tt) * kThreads];
+                acc[t][tt][0] += __uint_as_float(v.x);
+                acc[t][tt][1] += __uint_as_float(v.y);
+                acc[t][tt][2] += __uint_as_float(v.z);
+                acc[t][tt][3] += __uint_as_float(v.w);
+              }
+          }
+        }
+        __syncthreads();  // the sums are read before the next unit's copies land in the ring
       }
 
       if (active && kslice == 0) {
         // C fragment: e = 0, 1 -> row g, tokens 2q, 2q+1; e = 2, 3 -> row g + 8 (gated: the up rows)
 #pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
+        for (int t = 0; t < RT; ++t)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (gated && e >= 2) break;
-            const int n = e < 2 ? n_lo : n_hi;
-            const int idx = t0 + tt * 8 + 2 * q + (e & 1);
-            if (n >= n_end || idx >= p.block_m) continue;
-            const int pair = s_pairs[idx];
-            if (pair >= p.num_pairs) continue;
-            float out = acc[tt][e];
-            if (gated) out = gated_activation(out, acc[tt][e + 2], p.activation);
-            if (p.topk_weights != nullptr) out *= p.topk_weights[pair];
-            c[static_cast<int64_t>(pair) * p.out_n + n] = from_float<T>(out);
-          }
+          for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              if (gated && e >= 2) break;
+              const int n = e < 2 ? n_lo[t] : n_hi[t];
+              const int idx = t0 + tt * 8 + 2 * q + (e & 1);
+              if (n >= n_end || idx >= p.block_m) continue;
+              const int pair = s_pairs[idx];
+              if (pair >= p.num_pairs) continue;
+              float out = acc[t][tt][e];
+              if (gated) out = gated_activation(out, acc[t][tt][e + 2], p.activation);
+              if (p.topk_weights != nullptr) out *= p.topk_weights[pair];
+              c[static_cast<int64_t>(pair) * p.out_n + n] = from_float<T>(out);
+            }
       }
     }
   }
 }
 
-template <typename T, int BITS, int TT>
+template <typename T, int BITS, int TT, int SCALES, bool HAS_ZP, int RT>
 cudaError_t launch_tiles(const GemmParams& p, dim3 grid, cudaStream_t stream) {
-  auto* kernel = moe_wna16_mma_kernel<T, BITS, TT>;
+  auto* kernel = moe_wna16_mma_kernel<T, BITS, TT, SCALES, HAS_ZP, RT>;
+  constexpr int kBytes = RingShape<RT>::kBytes;
   // the ring is above the 48 KB a launch gets without asking: opt in once per device
   constexpr int kMaxDevices = 64;
   static bool opted_in[kMaxDevices] = {};
   int device = 0;
   if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   if (device >= kMaxDevices || !opted_in[device]) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRingBytes);
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
     if (err != cudaSuccess) return err;
     if (device < kMaxDevices) opted_in[device] = true;
   }
-  kernel<<<grid, kThreads, kRingBytes, stream>>>(p);
+  kernel<<<grid, kThreads, kBytes, stream>>>(p);
   return cudaSuccess;
+}
+
+// One 8-token column tile per pass (block_m <= 8, decode) streams two row tiles per warp when the block
+// has them: the activation loads and their permutes then serve twice the weights. 16 tokens per pass
+// stream one (registers).
+template <typename T, int BITS, int SCALES, bool HAS_ZP>
+cudaError_t launch_zp(const GemmParams& p, dim3 grid, cudaStream_t stream) {
+  const int tile_cols = p.activation != 0 ? 8 : 16;
+  const int ntiles = (min(p.block_n, p.out_n) + tile_cols - 1) / tile_cols;
+  if (p.block_m > 8) return launch_tiles<T, BITS, 2, SCALES, HAS_ZP, 1>(p, grid, stream);
+  if (ntiles >= 2) return launch_tiles<T, BITS, 1, SCALES, HAS_ZP, 2>(p, grid, stream);
+  return launch_tiles<T, BITS, 1, SCALES, HAS_ZP, 1>(p, grid, stream);
+}
+
+template <typename T, int BITS, int SCALES>
+cudaError_t launch_scaled(const GemmParams& p, dim3 grid, cudaStream_t stream) {
+  return p.qzeros != nullptr ? launch_zp<T, BITS, SCALES, true>(p, grid, stream)
+                             : launch_zp<T, BITS, SCALES, false>(p, grid, stream);
 }
 
 template <typename T, int BITS>
 cudaError_t launch_typed(const GemmParams& p, dim3 grid, cudaStream_t stream) {
-  return p.block_m <= 8 ? launch_tiles<T, BITS, 1>(p, grid, stream) : launch_tiles<T, BITS, 2>(p, grid, stream);
+  // a step is 4 chunks of a row: it lies in one group when a group holds at least 4 chunks
+  const int chunks_per_group = p.K * BITS / 128 / p.num_groups;
+  if (p.num_groups == 1) return launch_scaled<T, BITS, kScaleRows>(p, grid, stream);
+  if (chunks_per_group >= 4) return launch_scaled<T, BITS, kScaleSteps>(p, grid, stream);
+  return launch_scaled<T, BITS, kScalePairs>(p, grid, stream);
 }
 
 }  // namespace

@@ -20,8 +20,8 @@ struct GemmParams {
   const void* a;  // (rows, K) T, row stride stride_am
   int64_t stride_am;
   const uint8_t* qweight;  // (E, N, K*BITS/8), packed along K, even k in the low nibble
-  const void* scales;      // (E, N, G) T
-  const uint8_t* qzeros;   // (E, N*BITS/8, G), packed along N; nullptr = symmetric (2^(BITS-1))
+  const void* scales;      // (E, N, G) T, strides below
+  const uint8_t* qzeros;   // (E, N*BITS/8, G), packed along N, strides below; nullptr = symmetric (2^(BITS-1))
   const float* topk_weights;  // (num_pairs,) or nullptr
   const int32_t* sorted_token_ids;
   const int32_t* expert_ids;
@@ -32,6 +32,9 @@ struct GemmParams {
   // then rows n and n + N/2 are the gate and up rows of output column n, and out_n = N/2.
   int activation;
   int out_n;  // output columns (c's row stride); block_n and blockIdx.y tile these
+  // element strides of a row and of a group in scales (E, N, G) and qzeros (E, N*BITS/8, G): (G, 1) for the
+  // checkpoint's order, (1, rows) for group-major tables (the expert stride is rows * G either way)
+  int64_t s_stride_n, s_stride_g, z_stride_n, z_stride_g;
 };
 
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }

@@ -10,7 +10,8 @@ import torch
 
 from vllm_wna16_plugin import crossover
 from vllm_wna16_plugin.backends import registry
-from vllm_wna16_plugin.backends.cuda import CudaState, layer_key
+from vllm_wna16_plugin.backends.base import KernelTensors
+from vllm_wna16_plugin.backends.cuda import layer_key
 from vllm_wna16_plugin.ops import make_problem
 from vllm_wna16_plugin.oracle import select_backend
 
@@ -58,10 +59,35 @@ def test_auto_takes_cuda_only_where_a_crossover_is_measured(tmp_path, monkeypatc
     selection = select_backend(problem)
     assert selection.backend.name == "cuda" and problem.extra["explicit"] is False
     # auto's cuda keeps the crossover (larger batches go to triton); an explicit cuda runs every batch
-    assert registry()["cuda"].prepare(problem, "tensors") == CudaState("tensors", ((1, 4),))
+    assert registry()["cuda"].prepare(problem, _tensors()).cuda_m_ranges == ((1, 4),)
     explicit = _sm90_problem()
     select_backend(explicit, "cuda", "test")
-    assert registry()["cuda"].prepare(explicit, "tensors") == CudaState("tensors", None)
+    assert registry()["cuda"].prepare(explicit, _tensors()).cuda_m_ranges is None
+
+
+def _tensors(zp: bool = True) -> KernelTensors:
+    gen = torch.Generator().manual_seed(5)
+    rand = lambda *shape: torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)  # noqa: E731
+    return KernelTensors(rand(4, 64, 32), rand(4, 64, 16), torch.randn(4, 64, 2, generator=gen),
+                         torch.randn(4, 64, 1, generator=gen), rand(4, 32, 2) if zp else None,
+                         rand(4, 32, 1) if zp else None)  # fmt: skip
+
+
+@pytest.mark.parametrize("zp", [True, False])
+def test_cuda_state_holds_group_major_tables_of_the_same_values(zp):
+    # the CUDA kernel's copy: the same values, each group's rows adjacent in memory (cuda_ops.group_major);
+    # the triton fallback keeps the layer's own tensors
+    tensors = _tensors(zp)
+    state = registry()["cuda"].prepare(dataclasses.replace(_sm90_problem(), extra={"explicit": True}), tensors)
+    assert state.tensors is tensors and state.cuda_tensors.w13_qweight is tensors.w13_qweight
+    for name in ("w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros"):
+        ours, theirs = getattr(state.cuda_tensors, name), getattr(tensors, name)
+        if theirs is None:
+            assert ours is None
+            continue
+        assert torch.equal(ours, theirs)
+        if theirs.shape[2] > 1:  # with one group (channel-wise) the two layouts are the same memory
+            assert ours.stride() == (theirs.shape[1] * theirs.shape[2], 1, theirs.shape[1])
 
 
 def test_bench_writes_the_crossover_it_measured(tmp_path, monkeypatch):
@@ -103,10 +129,11 @@ def test_the_shipped_h200_table_is_what_its_run_measured():
         rows = list(csv.DictReader(open(root / entry["source"].replace(".md", ".csv"))))
         fields = dict(kv.split("=") for kv in key.split(","))
         triton = entry.get("triton_provider", "plugin-triton")  # the column that timed auto's Triton form
+        cuda = entry.get("cuda_provider", "plugin-cuda")  # and the CUDA kernel's launch geometry
         by_shape: dict[str, dict[int, dict[str, float]]] = {}
         for r in rows:
-            if r["provider"] in ("plugin-cuda", triton) and r["median_us"]:
-                prov = "plugin-cuda" if r["provider"] == "plugin-cuda" else "plugin-triton"
+            if r["provider"] in (cuda, triton) and r["median_us"]:
+                prov = "plugin-cuda" if r["provider"] == cuda else "plugin-triton"
                 by_shape.setdefault(r["shape"], {}).setdefault(int(r["M"]), {})[prov] = float(r["median_us"])
         shape = SHAPE_OF_KEY[(int(fields["E"]), int(fields["H"]), int(fields["I"]), int(fields["group_size"]))]
         pairs = {m: (t["plugin-cuda"], t["plugin-triton"]) for m, t in by_shape[shape].items() if len(t) == 2}

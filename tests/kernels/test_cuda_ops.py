@@ -61,7 +61,11 @@ def test_every_config_of_the_module_is_accepted_by_the_kernel(gs, bits):
             if (gs != CHANNELWISE and K % gs) or K % 8:
                 continue  # the checkpoint regroups or the backend refuses before any launch
             num_groups = 1 if gs == CHANNELWISE else K // gs
-            configs = [gemm_config(m, top_k, E, K, N, num_groups, bits)]  # what the cuda backend launches
+            # what the cuda backend launches: GEMM1 with the activation fused (N/2 output columns) or not
+            configs = [
+                gemm_config(m, top_k, E, K, N, num_groups, bits),
+                gemm_config(m, top_k, E, K, N // 2, num_groups, bits, True),
+            ]
             if gs != CHANNELWISE or K % 32 == 0:  # the module's own (vLLM-kernel) presentation
                 configs.append(choose_cuda_block_config(m, top_k, E, K, N, gs, bits))
             for cfg in configs:
@@ -69,6 +73,21 @@ def test_every_config_of_the_module_is_accepted_by_the_kernel(gs, bits):
                 assert err == "", f"K={K} N={N} gs={gs} int{bits} M={m}: {cfg} refused: {err}"
                 checked += 1
     assert checked > 500
+
+
+def test_block_n_is_halved_for_the_grid_only_while_warps_keep_their_k_steps(monkeypatch):
+    from vllm_wna16_plugin.kernels import cuda_ops
+
+    # Qwen3-30B-A3B GEMM1 at M=1 (8 experts, I=768 gated, K=2048: 16 K steps): 48 blocks at BLOCK_SIZE_N 128.
+    # Halving to 64 leaves each warp 8 steps (4 two-tile units, K split in 2); 32 would leave 4.
+    assert cuda_ops.warp_k_steps(2048, 4, 1, 64, gated=True) == 8
+    assert cuda_ops.warp_k_steps(2048, 4, 1, 32, gated=True) == 4
+    assert cuda_ops.gemm_config(1, 8, 128, 2048, 768, 16, 4, gated=True).block_size_n == 64
+    monkeypatch.setattr(cuda_ops, "MIN_WARP_STEPS", 0)  # the grid alone: down to 16 (384 blocks >= 264)
+    assert cuda_ops.gemm_config(1, 8, 128, 2048, 768, 16, 4, gated=True).block_size_n == 16
+    # blocks of more than 8 tokens take one tile per warp; a block of 16-column tiles without gating
+    assert cuda_ops.warp_k_steps(14336, 4, 16, 128, gated=False) == 112  # 8 tiles, one per warp
+    assert cuda_ops.warp_k_steps(14336, 4, 8, 128, gated=False) == 56  # 4 two-tile units, K split in 2
 
 
 @needs_extension
@@ -167,9 +186,11 @@ BAD_GEMM_ARGS = {  # name -> (change to the valid arguments, what the refusal mu
     "bits 3": (lambda k: dict(bits=3), r"bits=3 is not supported \(4 or 8\)"),
     "qweight half rows": (lambda k: dict(qweight=k["qweight"][..., :64].contiguous()), r"qweight has 64 bytes per row but K=256 int4 needs 128"),
     "qweight int8 dtype": (lambda k: dict(qweight=k["qweight"].to(torch.int8)), r"uint8 tensor, got \[4, 64, 128\] Char"),
-    "scales fp32": (lambda k: dict(scales=k["scales"].float()), r"scales must be a contiguous \(E=4, N=64, G\) tensor in a's dtype, got \[4, 64, 8\] Float"),
+    "scales fp32": (lambda k: dict(scales=k["scales"].float()), r"scales must be an \(E=4, N=64, G\) tensor in a's dtype, got \[4, 64, 8\] Float"),
     "BLOCK_SIZE_K 512 at gs32": (lambda k: dict(block_size_k=512, a=torch.zeros(3, 1024).bfloat16(), qweight=torch.zeros(4, 64, 512, dtype=torch.uint8), scales=torch.zeros(4, 64, 32).bfloat16(), qzeros=None), r"BLOCK_SIZE_K // group_size must be one of \[1, 2, 4, 8\]"),
-    "qzeros shape": (lambda k: dict(qzeros=k["qzeros"][:, :16].contiguous()), r"qzeros must be a contiguous \(E, N\*bits/8, G\) uint8 tensor, got \[4, 16, 8\]"),
+    "qzeros shape": (lambda k: dict(qzeros=k["qzeros"][:, :16].contiguous()), r"qzeros must be an \(E, N\*bits/8, G\) uint8 tensor, got \[4, 16, 8\]"),
+    "scales strided": (lambda k: dict(scales=torch.zeros(4, 64, 16).bfloat16()[..., ::2]), r"scales must be contiguous \(E, N, G\) or the \(E, N, G\) view of a contiguous \(E, G, N\) tensor \(group-major, see cuda_ops.group_major\), got strides \[1024, 16, 2\]"),
+    "qzeros strided": (lambda k: dict(qzeros=torch.zeros(4, 32, 16, dtype=torch.uint8)[..., ::2]), r"qzeros must be contiguous \(E, N\*bits/8, G\) or the view of a contiguous \(E, G, N\*bits/8\) tensor \(group-major\), got strides \[512, 16, 2\]"),
     "activation relu": (lambda k: dict(activation="relu"), r"activation must be none, silu or gelu, got relu"),
     "c wrong width": (lambda k: dict(c=k["c"][:, :32].contiguous()), r"c must be a contiguous \(num_pairs, 64\) tensor in a's dtype, got \[6, 32\]"),
     "gated c full width": (lambda k: dict(activation="silu"), r"c must be a contiguous \(num_pairs, 32\)"),
@@ -183,6 +204,17 @@ BAD_GEMM_ARGS = {  # name -> (change to the valid arguments, what the refusal mu
     "gelu on gemv": (lambda k: dict(activation="gelu", kernel="gemv", c=k["c"][:, :32].contiguous()), r"activation=gelu is fused only in the mma kernel \(K=256, G=8, int4, kernel=gemv\)"),
     "mma where chunks straddle": (lambda k: dict(kernel="mma", a=torch.zeros(3, 176).bfloat16(), qweight=torch.zeros(4, 64, 88, dtype=torch.uint8), scales=torch.zeros(4, 64, 1).bfloat16(), qzeros=None, block_size_k=176), r"the mma kernel needs 16-byte chunks of a weight row inside one scale group, a power-of-two number of them per group; K=176, G=1, int4"),
 }  # fmt: skip
+
+
+@needs_extension
+def test_the_op_takes_group_major_scales_and_zero_points():
+    # cuda_ops.group_major's (E, N, G) views of (E, G, N) tables: the layout the cuda backend hands the kernel
+    from vllm_wna16_plugin.kernels.cuda_ops import group_major
+
+    kw = _gemm_args()
+    kw.update(scales=group_major(kw["scales"]), qzeros=group_major(kw["qzeros"]))
+    assert not kw["scales"].is_contiguous() and not kw["qzeros"].is_contiguous()
+    assert torch.ops.wna16_plus.check_gemm_args(**kw) == ""
 
 
 @needs_extension

@@ -70,6 +70,21 @@ def test_cuda_layer_matches_reference(M, H, I, E, top_k, bits, gs1, gs2, zp, dty
     assert_close_scaled(out.cpu(), ref.cpu(), dtype, f"cuda layer ({kernel})")
 
 
+@pytest.mark.parametrize("kernel", ["auto", "gemv"])
+@pytest.mark.parametrize("M, H, I, E, top_k, bits, gs1, gs2, zp, dtype", CASES[:6])
+def test_group_major_scales_and_zero_points(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype, kernel):  # noqa: E741
+    # the layout the cuda backend prepares (cuda_ops.group_major): same values, each group's rows adjacent
+    from vllm_wna16_plugin.kernels.cuda_ops import group_major
+
+    p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype, seed=M + 1)
+    args, kw = _cuda(p)
+    ref = fused_moe_wna16_ref(*args, **kw)
+    args[3], args[4] = group_major(args[3]), group_major(args[4])
+    kw.update(w13_qzeros=group_major(kw.get("w13_qzeros")), w2_qzeros=group_major(kw.get("w2_qzeros")))
+    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), kernel=kernel)
+    assert_close_scaled(out.cpu(), ref.cpu(), dtype, f"cuda layer, group-major tables ({kernel})")
+
+
 @pytest.mark.parametrize("kernel", ["auto", "gemv"])  # the activation fused in the mma kernel, or apart
 def test_gelu_gated_activation(kernel):
     p = make_moe_problem(M=5, H=1024, I=384, E=8, top_k=2, bits=4, gs1=64, zp=True, seed=21)
@@ -170,7 +185,7 @@ def test_bad_input_is_refused_before_the_launch():
         fused_moe_wna16_cuda(*args[:6], bad_ids, **kw, align_fn=_align())
     wrong_dtype = list(args)
     wrong_dtype[3] = args[3].float()  # scales in float32, activations in bf16
-    with pytest.raises(RuntimeError, match="scales must be a contiguous"):
+    with pytest.raises(RuntimeError, match=r"scales must be an \(E=4, N=256, G\) tensor in a's dtype"):
         fused_moe_wna16_cuda(*wrong_dtype, **kw, align_fn=_align())
 
 

@@ -11,6 +11,7 @@ backend="cuda") always runs the CUDA kernel.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +25,23 @@ CUDA_ACTIVATIONS = ("silu", "gelu")
 
 @dataclass
 class CudaState:
-    tensors: KernelTensors
+    tensors: KernelTensors  # the layer's tensors (the triton backend runs batches outside cuda_m_ranges on them)
     cuda_m_ranges: tuple[tuple[int, int], ...] | None  # None: an explicit choice, every batch on the CUDA kernel
+    cuda_tensors: KernelTensors | None = None  # the same weights with group-major scales / zero points
+
+
+def cuda_layout(tensors: KernelTensors) -> KernelTensors:
+    """The CUDA kernel's copy of a layer: the packed weights shared, the scales and zero points group-major
+    (cuda_ops.group_major: one more copy of those tables, a few percent of the int4 weights at gs128)."""
+    from vllm_wna16_plugin.kernels.cuda_ops import group_major
+
+    return dataclasses.replace(
+        tensors,
+        w13_scales=group_major(tensors.w13_scales),
+        w2_scales=group_major(tensors.w2_scales),
+        w13_qzeros=group_major(tensors.w13_qzeros),
+        w2_qzeros=group_major(tensors.w2_qzeros),
+    )
 
 
 def layer_key(problem: MoEProblem) -> str:
@@ -78,9 +94,10 @@ class CudaBackend(Backend):
         return extension_error()
 
     def prepare(self, problem: MoEProblem, tensors: KernelTensors) -> CudaState:
-        if problem.extra.get("explicit"):
-            return CudaState(tensors, None)
-        return CudaState(tensors, crossover.cuda_m_ranges(layer_key(problem), device_name(problem)))
+        ranges = (
+            None if problem.extra.get("explicit") else crossover.cuda_m_ranges(layer_key(problem), device_name(problem))
+        )
+        return CudaState(tensors, ranges, cuda_layout(tensors))
 
     def run(self, problem: MoEProblem, state: CudaState, x, topk_weights, topk_ids, *, expert_map=None):
         from vllm_wna16_plugin import _vllm
@@ -90,7 +107,7 @@ class CudaBackend(Backend):
         if state.cuda_m_ranges is not None and not crossover.in_ranges(x.shape[0], state.cuda_m_ranges):
             # outside the batch sizes where cuda measured faster
             return TritonBackend().run(problem, state.tensors, x, topk_weights, topk_ids, expert_map=expert_map)
-        tensors = state.tensors
+        tensors = state.cuda_tensors or state.tensors
         return fused_moe_wna16_cuda(
             x, *tensors.weights(), topk_weights, topk_ids, **layer_kwargs(problem, tensors, expert_map),
             global_num_experts=problem.global_num_experts, align_fn=_vllm.moe_align_block_size_fn(),

@@ -60,14 +60,48 @@ def launch_config_error(size_k: int, num_groups: int, config: BlockConfig, bits:
     )
 
 
-MIN_CTAS = 2 * 132  # two blocks per SM of an H100/H200: the grid the launch aims to fill
+def group_major(table: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-(row, group) table (scales (E, N, G) or qzeros (E, N*bits/8, G)) with the rows of one group
+    adjacent in memory: the (E, N, G) view of a contiguous (E, G, N) copy. The CUDA kernel takes either
+    layout. In this one the scales of a warp step (16 rows, one group) are one 32-byte run instead of 16
+    scattered words, which takes that many shared-memory copy requests off the kernel's load path (the
+    L1 was its busiest unit, ncu at Mixtral M=1/8). Costs one copy of the table (E*N*G values)."""
+    if table is None:
+        return None
+    return table.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def gemm_config(m: int, top_k: int, num_experts: int, size_k: int, size_n: int, num_groups: int, bits: int):
+# The grid BLOCK_SIZE_N is halved toward: four blocks per SM of an H100/H200 (H200, 2026-12-03-mma6: at
+# or ahead of two per SM on every shape from M=2 to 64, by up to 20% on Mixtral's M 2-8; two per SM
+# ended in a partial second wave of long blocks there).
+MIN_CTAS = 4 * 132
+# Past half a block per SM, halving stops where a warp's K slice would drop below this many K steps:
+# it is then mostly pipeline fill and the K-split sum (same run: on the small-expert shapes at M <= 4
+# the 16-column blocks that the grid alone asked for took 10-20% longer). Below that grid (K=1344 at
+# M <= 16: 16-64 blocks) the grid wins regardless (16.3 against 25.9 µs at M=1).
+MIN_WARP_STEPS = 8
+MIN_BLOCKS = 132 // 2
+
+
+def warp_k_steps(size_k: int, bits: int, block_m: int, block_n: int, gated: bool) -> int:
+    """K steps (4 chunks of 16 bytes of a weight row) each warp of the mma kernel streams for one block:
+    the kernel's own work split (csrc/moe_wna16_mma.cu), mirrored. A 16-row tile is 16 output columns
+    (8 when gated); a warp takes 2 tiles at once for blocks of <= 8 tokens; 8 warps split K when the
+    block has fewer units than warps."""
+    tiles = -(-block_n // (8 if gated else 16))
+    per_warp = 2 if block_m <= 8 and tiles >= 2 else 1
+    ksplit = 8 // min(-(-tiles // per_warp), 8)
+    return -(-(-(-size_k * bits // 128) // 4) // ksplit)
+
+
+def gemm_config(
+    m: int, top_k: int, num_experts: int, size_k: int, size_n: int, num_groups: int, bits: int, gated: bool = False
+):
     """The launch config of one GEMM: block_config's legal CUDA config (channel-wise as one group of K),
-    with BLOCK_SIZE_N halved (down to 16) while the expected grid has fewer than MIN_CTAS blocks. The
-    kernel takes any BLOCK_SIZE_N, so the smaller tile stays legal; decode grids are otherwise a few
-    dozen blocks."""
+    with BLOCK_SIZE_N halved (down to 16) while the expected grid has fewer than MIN_CTAS blocks and, once it
+    has MIN_BLOCKS, each warp keeps at least MIN_WARP_STEPS K steps. The kernel takes any BLOCK_SIZE_N, so the smaller tile
+    stays legal; decode grids are otherwise a few dozen blocks. size_n: output columns (I when the
+    activation is fused, gated)."""
     from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
 
     # channel-wise is one group of K: legal for any K % 8 == 0 (K=176 is 704 at TP4), unlike vLLM's kernel
@@ -76,7 +110,9 @@ def gemm_config(m: int, top_k: int, num_experts: int, size_k: int, size_n: int, 
     hit = expected_experts_hit(pairs, num_experts)
     m_blocks = pairs if cfg.block_size_m == 1 else hit * math.ceil(pairs / hit / cfg.block_size_m)
     bn = cfg.block_size_n
-    while bn > 16 and m_blocks * -(-size_n // bn) < MIN_CTAS:
+    while bn > 16 and (blocks := m_blocks * -(-size_n // bn)) < MIN_CTAS:
+        if blocks >= MIN_BLOCKS and warp_k_steps(size_k, bits, cfg.block_size_m, bn // 2, gated) < MIN_WARP_STEPS:
+            break
         bn //= 2
     return BlockConfig(cfg.block_size_m, bn, cfg.block_size_k, cfg.size_k, cfg.group_size)
 
@@ -163,7 +199,7 @@ def fused_moe_wna16_cuda(
         return out
     # GEMM1 with the activation fused where the tensor-core kernel runs it (its output columns are I)
     fuse = kernel != "gemv" and torch.ops.wna16_plus.mma_kernel_fits(hidden, w13_scales.shape[-1], bits)
-    cfg1 = gemm_config(m, top_k, num_experts, hidden, inter if fuse else two_i, w13_scales.shape[-1], bits)
+    cfg1 = gemm_config(m, top_k, num_experts, hidden, inter if fuse else two_i, w13_scales.shape[-1], bits, fuse)
     cfg2 = gemm_config(m, top_k, num_experts, inter, hidden, w2_scales.shape[-1], bits)
     if cfg2.block_size_m != cfg1.block_size_m:  # one alignment for both GEMMs
         cfg2 = BlockConfig(cfg1.block_size_m, cfg2.block_size_n, cfg2.block_size_k, cfg2.size_k, cfg2.group_size)
@@ -200,6 +236,7 @@ __all__ = [
     "extension_error",
     "fused_moe_wna16_cuda",
     "gemm_config",
+    "group_major",
     "invoke_moe_wna16_gemm",
     "launch_config_error",
 ]

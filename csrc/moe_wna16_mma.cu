@@ -535,6 +535,22 @@ cudaError_t launch_tiles(const GemmParams& p, dim3 grid, cudaStream_t stream) {
   return cudaSuccess;
 }
 
+// Whether two blocks of the two-tile ring (96 KB each) fit an SM of the current device: Hopper's 228 KB
+// hold them, an A100's 164 KB or the 100 KB of sm86/89 do not, and there one-tile warps keep the
+// occupancy the kernel was measured with. (Only the H200 has run the two-tile path.)
+bool two_tile_blocks_fit() {
+  constexpr int kMaxDevices = 64;
+  static int known[kMaxDevices] = {};  // 0: not asked yet, 1: fits, 2: does not
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (device < kMaxDevices && known[device] != 0) return known[device] == 1;
+  int smem = 0;
+  cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  const bool fits = smem >= 2 * (RingShape<2>::kBytes + 4096);  // + static shared memory and the driver's 1 KB
+  if (device < kMaxDevices) known[device] = fits ? 1 : 2;
+  return fits;
+}
+
 // One 8-token column tile per pass (block_m <= 8, decode) streams two row tiles per warp when the block
 // has them: the activation loads and their permutes then serve twice the weights. 16 tokens per pass
 // stream one (registers).
@@ -543,7 +559,7 @@ cudaError_t launch_zp(const GemmParams& p, dim3 grid, cudaStream_t stream) {
   const int tile_cols = p.activation != 0 ? 8 : 16;
   const int ntiles = (min(p.block_n, p.out_n) + tile_cols - 1) / tile_cols;
   if (p.block_m > 8) return launch_tiles<T, BITS, 2, SCALES, HAS_ZP, 1>(p, grid, stream);
-  if (ntiles >= 2) return launch_tiles<T, BITS, 1, SCALES, HAS_ZP, 2>(p, grid, stream);
+  if (ntiles >= 2 && two_tile_blocks_fit()) return launch_tiles<T, BITS, 1, SCALES, HAS_ZP, 2>(p, grid, stream);
   return launch_tiles<T, BITS, 1, SCALES, HAS_ZP, 1>(p, grid, stream);
 }
 

@@ -86,8 +86,9 @@ MIN_BLOCKS = 132 // 2
 def warp_k_steps(size_k: int, bits: int, block_m: int, block_n: int, gated: bool) -> int:
     """K steps (4 chunks of 16 bytes of a weight row) each warp of the mma kernel streams for one block:
     the kernel's own work split (csrc/moe_wna16_mma.cu), mirrored. A 16-row tile is 16 output columns
-    (8 when gated); a warp takes 2 tiles at once for blocks of <= 8 tokens; 8 warps split K when the
-    block has fewer units than warps."""
+    (8 when gated); a warp takes 2 tiles at once for blocks of <= 8 tokens (on GPUs where two blocks of
+    that ring fit an SM, e.g. Hopper; elsewhere 1, which this estimate does not model); 8 warps split
+    K when the block has fewer units than warps."""
     tiles = -(-block_n // (8 if gated else 16))
     per_warp = 2 if block_m <= 8 and tiles >= 2 else 1
     ksplit = 8 // min(-(-tiles // per_warp), 8)

@@ -175,6 +175,17 @@ __device__ __forceinline__ void centered_int8(uint32_t w, const Bias<T, 8>& b, u
   }
 }
 
+// The centered pairs of a word of both rows times their rows' scale pairs (kScalePairs).
+template <typename T, int PAIRS>
+__device__ __forceinline__ void scale_pairs(uint32_t (&lo)[PAIRS], uint32_t (&hi)[PAIRS], uint32_t scale_lo,
+                                            uint32_t scale_hi) {
+#pragma unroll
+  for (int s = 0; s < PAIRS; ++s) {
+    lo[s] = Pairs<T>::mul(lo[s], scale_lo);
+    hi[s] = Pairs<T>::mul(hi[s], scale_hi);
+  }
+}
+
 // d += A (16 x 16, row) * B (16 x 8, col), float32 accumulate.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -401,13 +412,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
                 uint32_t lo[4], hi[4];
                 centered_int4<T>(word(wv[lo_r], j), bias[lo_r], lo);
                 centered_int4<T>(word(wv[hi_r], j), bias[hi_r], hi);
-                if constexpr (SCALES == kScalePairs) {  // groups shorter than a step: the pairs take the scale
-#pragma unroll
-                  for (int s = 0; s < 4; ++s) {
-                    lo[s] = A::mul(lo[s], scale_lo);
-                    hi[s] = A::mul(hi[s], scale_hi);
-                  }
-                }
+                // groups shorter than a step: the pairs take the scale
+                if constexpr (SCALES == kScalePairs) scale_pairs<T>(lo, hi, scale_lo, scale_hi);
 #pragma unroll
                 for (int tt = 0; tt < TT; ++tt) {
                   const uint4& xv = x[tt][j];  // k 8j .. 8j+7 of the chunk
@@ -421,13 +427,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
                 uint32_t lo[2], hi[2];
                 centered_int8<T>(word(wv[lo_r], j), bias[lo_r], lo);
                 centered_int8<T>(word(wv[hi_r], j), bias[hi_r], hi);
-                if constexpr (SCALES == kScalePairs) {
-#pragma unroll
-                  for (int s = 0; s < 2; ++s) {
-                    lo[s] = A::mul(lo[s], scale_lo);
-                    hi[s] = A::mul(hi[s], scale_hi);
-                  }
-                }
+                if constexpr (SCALES == kScalePairs) scale_pairs<T>(lo, hi, scale_lo, scale_hi);
 #pragma unroll
                 for (int tt = 0; tt < TT; ++tt) {
                   const uint4& xv = x[tt][j / 2];  // k 4j .. 4j+3 of the chunk

@@ -214,6 +214,7 @@ CUDA_FORMS = {
     "plugin-cuda-steps4": {"MIN_WARP_STEPS": 4},
     "plugin-cuda-steps0": {"MIN_WARP_STEPS": 0},  # the halving before MIN_WARP_STEPS
     "plugin-cuda-ctas4-steps4": {"MIN_CTAS": 4 * 132, "MIN_WARP_STEPS": 4},
+    "plugin-cuda-bm16": {"MAX_BLOCK_M": 16},  # vLLM's min(16, M) (the default before 2026-12-04-bm8a)
 }
 
 

@@ -53,7 +53,7 @@ for step in "$@"; do
     profile) ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null) || { echo "no ncu on this machine"; continue; }
              timeout ${PROFILE_TIMEOUT:-300} "$ncu" --kernel-name regex:'moe_wna16_mma|moe_wna16_gemv|_fused_moe_wna16|^Marlin' --launch-skip 0 --launch-count ${PROFILE_LAUNCHES:-18} \
                --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-               --section Occupancy --section LaunchStats python3 bench/profile_kernels.py ${PROFILE_ARGS:-} 2>&1 \
+               --section Occupancy --section LaunchStats ${PROFILE_SECTIONS:-} python3 bench/profile_kernels.py ${PROFILE_ARGS:-} 2>&1 \
                | grep --line-buffered -v "^INFO\|^WARNING" | tee "$OUT/profile.log" | tail -60 ;;
     toolchain) bash bench/probe_toolchain.sh 2>&1 | tee "$OUT/probe_toolchain.log" ;;
     serve-import) python3 -c "import vllm.entrypoints.openai.api_server; print('vllm serve imports: ok')" 2>&1 | tail -4 ;;

@@ -117,6 +117,8 @@ std::string gemm_args_error(const at::Tensor& a, const at::Tensor& qweight, cons
   WNA16_REQUIRE(!use_mma || mma_kernel_fits(K, G, bits), "the mma kernel needs 16-byte chunks of a weight row ",
                 "inside one scale group, a power-of-two number of them per group; K=", K, ", G=", G, ", int", bits,
                 " does not give them");
+  WNA16_REQUIRE(!use_mma || N * K * bits / 8 <= (int64_t{1} << 32) - 1, "one expert's weights (N=", N, ", K=", K,
+                ", int", bits, ") exceed the 4 GiB the mma kernel addresses with 32-bit row offsets");
   // the mma kernel copies the 4-byte words that hold a scale or zero point
   WNA16_REQUIRE(!use_mma || (reinterpret_cast<uintptr_t>(scales.data_ptr()) % 4 == 0 &&
                              reinterpret_cast<uintptr_t>(z) % 4 == 0),

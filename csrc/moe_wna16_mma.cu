@@ -27,10 +27,13 @@
 // tile; when the block has fewer than 8 tiles the warps split K (ksplit) and add their partial sums
 // through shared memory.
 //
-// The weight stream is a cp.async pipeline kStages deep: each lane copies its own chunks (and the
-// 4-byte words holding their scale and zero point) into its own slots of a shared-memory ring and
-// reads back only what it copied itself, so no barrier is needed; kStages - 1 steps per warp are
-// in flight while one is computed, which is what keeps HBM busy at M = 1.
+// The weight stream is a cp.async pipeline of each warp, in pairs of steps: one copy instruction takes
+// 128 bytes (8 chunks, the two steps of a pair) of each of 4 rows, so it reads 4 whole cache lines; the
+// lanes then read back the chunks of their fragment, which other lanes copied (a __syncwarp per step
+// makes them visible). Copying each lane's own chunk instead read 8 rows x 64 bytes per instruction,
+// and ncu counted half of the kernel's shared-memory wavefronts as excess (Mixtral M=8). The 4-byte
+// words holding a chunk's scale and zero point are still copied by the lane that reads them, into its
+// own slots. kStages / 2 - 1 pairs per warp are in flight while one is computed.
 //
 // Gated activation (GEMM1 of a MoE layer, p.activation != 0): a tile is 8 output columns n, whose
 // gate rows n are the fragment's rows g and whose up rows N/2 + n are its rows g + 8. Each lane then
@@ -45,13 +48,18 @@ namespace wna16_plus {
 
 namespace {
 
-// The cp.async ring of a warp that streams RT row tiles (2 RT rows a lane): its depth in steps, and
-// its shared memory per block (16-byte weight chunks and 4-byte scale / zero-point words of every row,
-// thread and stage). Both depths keep about 5-6 KB of weights in flight per warp.
+// The cp.async ring of a warp that streams RT row tiles (16 RT rows, 2 RT a lane): its depth in steps
+// (an even number: pairs of steps are copied together), the 16-byte chunks of a warp's ring, and the
+// shared memory per block (the warps' chunks, then the 4-byte scale / zero-point words of every row,
+// thread and stage). Both depths keep 4 KB of weights in flight per warp.
 template <int RT>
 struct RingShape {
   static constexpr int kStages = RT == 1 ? 6 : 4;
-  static constexpr int kBytes = kStages * 2 * RT * kThreads * (16 + 4 + 4);
+  static constexpr int kPairStages = kStages / 2;
+  static constexpr int kPairChunks = 16 * RT * 8;  // one pair stage: 16 RT rows x 8 chunks
+  static constexpr int kWarpChunks = kPairStages * kPairChunks;
+  static constexpr int kBytes = kWarps * kWarpChunks * 16 + kStages * 2 * RT * kThreads * (4 + 4);
+  static_assert(kStages % 2 == 0, "the ring holds whole pairs of steps");
 };
 
 // Where a group's scale multiplies (see the header). The host picks it from the group length.
@@ -208,7 +216,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
 // One of the lane's weight rows in a tile: the addresses of its bytes, scales and zero points.
 template <int BITS>
 struct Row {
-  const uint8_t* w;   // the lane's next chunk to copy (advanced one warp step per issue)
   const uint8_t* s;   // the row's scale of group 0 (bytes)
   const uint8_t* z;   // the row's zero-point byte of group 0 (packed along N)
   int s_step, z_step;  // bytes from one group to the next (group-major tables: a row of the table apart)
@@ -247,10 +254,13 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
   constexpr int kVecs = kChunkVals * sizeof(T) / 16;     // 16-byte activation vectors per chunk
   constexpr bool kStepScales = SCALES != kScaleRows;     // scale words travel with the chunks
   constexpr bool kStepZeros = HAS_ZP && kStepScales;     // and so do zero-point words
+  constexpr bool kWordCopier = SCALES == kScalePairs;      // each lane copies its words (its chunk's own group)
+  constexpr int kLead = Ring::kPairStages - 1;             // pairs in flight while one is computed
   __shared__ int s_pairs[kMaxBlockM];
-  extern __shared__ uint4 s_ring[];  // Ring::kBytes: [stage][row][thread] chunks, then scale and zero words
-  uint4* const ring_w = s_ring + threadIdx.x;  // this lane's slots; slot (stage d, row r) at (kRows d + r) * kThreads
-  uint32_t* const ring_s = reinterpret_cast<uint32_t*>(s_ring + kStages * kRows * kThreads) + threadIdx.x;
+  // Ring::kBytes: per warp [pair stage][16 RT rows][8 chunks], then per lane [stage][row][thread] scale and
+  // zero-point words (slot (stage d, row r) at (kRows d + r) * kThreads)
+  extern __shared__ uint4 s_ring[];
+  uint32_t* const ring_s = reinterpret_cast<uint32_t*>(s_ring + kWarps * Ring::kWarpChunks) + threadIdx.x;
   uint32_t* const ring_z = ring_s + kStages * kRows * kThreads;
   const int n_begin = blockIdx.y * p.block_n;
   const int n_end = min(p.out_n, n_begin + p.block_n);  // output columns
@@ -260,13 +270,14 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
   const bool gated = p.activation != 0;
   const int tile_cols = gated ? 8 : 16;  // output columns per 16-row tile
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  uint4* const warp_ring = s_ring + warp * Ring::kWarpChunks;
   const int ntiles = (n_end - n_begin + tile_cols - 1) / tile_cols;
   const int nunits = (ntiles + RT - 1) / RT;  // a warp streams RT tiles at once (a unit)
   const int units_par = min(nunits, kWarps);
   const int ksplit = kWarps / units_par;
   const int unit_slot = warp % units_par, kslice = warp / units_par;
   const int chunks = p.K * BITS / 128;  // 16-byte chunks per weight row
-  const int steps = (chunks + 3) / 4;
+  const int pairs = (chunks + 7) / 8;   // pairs of steps (128 bytes of a row); the K split deals them out
   // the scale group of chunk c is c >> group_shift: launch_rules.h admits this kernel only where a group
   // is a power-of-two number of chunks (32/64/128 values) or the whole row (channel-wise). An integer
   // division by the runtime group size cost about ten instructions, twice per step, in the K loop.
@@ -310,6 +321,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
       }
 
       if (active) {
+        __syncwarp();  // every lane has read the previous unit's last chunks before the ring is refilled
         Row<BITS> rows[kRows];  // rows 2t and 2t + 1: lo and hi of tile t
         B row_bias[kRows];      // kScaleRows: the rows' zero points
         float row_scale[kRows];  // kScaleRows: the rows' scales, applied at the end
@@ -317,9 +329,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
         for (int r = 0; r < kRows; ++r) {
           const int t = r / 2;
           const int n = r % 2 == 0 ? n_lo[t] : gated ? n_lo[t] + p.out_n : n_hi[t];  // gated: the up row
-          const int64_t row = static_cast<int64_t>(expert) * p.N + n;
           rows[r].valid = (r % 2 == 0 ? n_lo[t] : n_hi[t]) < n_end;
-          rows[r].w = p.qweight + row * row_bytes + (kslice * 4 + q) * 16;
           rows[r].s = static_cast<const uint8_t*>(p.scales) +
                       (static_cast<int64_t>(expert) * p.N * p.num_groups + n * p.s_stride_n) * 2;
           rows[r].z = p.qzeros + static_cast<int64_t>(expert) * (p.N * BITS / 8) * p.num_groups +
@@ -336,36 +346,68 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
             }
           }
         }
-        // this warp's steps: kslice, kslice + ksplit, ...; kStages - 1 of them in flight. Each issue
-        // copies the lane's chunk of every row (zeros past K) and, per group, the words of their scales
-        // and zero points (whenever the row exists: every lane of a step then holds its row's scale).
-        const int my_steps = kslice < steps ? (steps - kslice + ksplit - 1) / ksplit : 0;
-        const int64_t w_advance = static_cast<int64_t>(ksplit) * 64;
-        int issue_chunk = kslice * 4 + q;
-        auto issue_step = [&](int i, int stage) {
-          if (i < my_steps) {
-            const bool in_k = issue_chunk < chunks;
-            const int grp = min(issue_chunk, chunks - 1) >> group_shift;
+        // The copies of a pair: 2 kRows instructions, c taking rows 4c .. 4c + 3 of the warp's 16 RT (tile t's
+        // rows 16t .. 16t + 15: its lo rows g, then its hi rows g + 8), lane l chunk l % 8 of row 4c + l / 8.
+        // A row's 8 chunks sit in one 128-byte line of the ring with the step bit swizzled by the row's
+        // parity, so the reads (rows g, g + 1 of one quarter warp) and the copies are free of bank conflicts.
+        constexpr int kCopies = 2 * kRows;
+        const int copy_chunk = lane & 7, copy_row = lane >> 3;
+        const int copy_slot = copy_row * 8 + (copy_chunk ^ ((copy_row & 1) << 2));
+        const uint8_t* const w_expert = p.qweight + static_cast<int64_t>(expert) * p.N * row_bytes + copy_chunk * 16;
+        uint32_t copy_offset[kCopies];  // bytes from w_expert to the row of copy c (one expert is < 4 GiB)
+        uint32_t copy_valid = 0;
 #pragma unroll
-            for (int r = 0; r < kRows; ++r) {
-              const int slot = (kRows * stage + r) * kThreads;
-              copy_async16(ring_w + slot, rows[r].w, rows[r].valid && in_k);
-              if constexpr (kStepScales) copy_async4(ring_s + slot, rows[r].scale_word(grp), rows[r].valid);
-              if constexpr (kStepZeros) copy_async4(ring_z + slot, rows[r].zero_word(grp), rows[r].valid);
-              rows[r].w += w_advance;
+        for (int cp = 0; cp < kCopies; ++cp) {
+          const int lr = 4 * cp + copy_row, t = lr / 16, j = lr % 16;
+          const int col = gated ? n_begin + (unit * RT + t) * 8 + (j & 7) : n_begin + (unit * RT + t) * 16 + j;
+          const int n = gated && j >= 8 ? col + p.out_n : col;  // gated: rows 8..15 of a tile are up rows
+          copy_offset[cp] = static_cast<uint32_t>(n * row_bytes);
+          copy_valid |= (col < n_end ? 1u : 0u) << cp;
+        }
+        // this warp's pairs: kslice, kslice + ksplit, ...; its steps i are the pairs' two halves
+        const int my_pairs = kslice < pairs ? (pairs - kslice + ksplit - 1) / ksplit : 0;
+        const int my_steps = 2 * my_pairs;
+        auto issue_pair = [&](int pi, int pstage) {
+          if (pi < my_pairs) {
+            const int gp = kslice + pi * ksplit;
+            const bool in_k = gp * 8 + copy_chunk < chunks;
+            const uint8_t* const src = w_expert + static_cast<int64_t>(gp) * 128;
+#pragma unroll
+            for (int cp = 0; cp < kCopies; ++cp)
+              copy_async16(warp_ring + pstage * Ring::kPairChunks + cp * 32 + copy_slot, src + copy_offset[cp],
+                           ((copy_valid >> cp) & 1) && in_k);
+            // and, per row and step, the words of the scale and zero point of this lane's chunk. Where a step
+            // lies in one group, lane (g, 0) copies them for the four lanes of its rows: 4-byte copies of all
+            // 32 lanes cost 8 shared-memory wavefronts each (ncu, Mixtral M=8: 6.4M bank conflicts, all on
+            // LDGSTS), as many as the weights' 16-byte copies
+#pragma unroll
+            for (int sp = 0; sp < 2; ++sp) {
+              const int grp = min((2 * gp + sp) * 4 + q, chunks - 1) >> group_shift;
+              if (kWordCopier || q == 0) {
+#pragma unroll
+                for (int r = 0; r < kRows; ++r) {
+                  const int slot = (kRows * (2 * pstage + sp) + r) * kThreads;
+                  if constexpr (kStepScales) copy_async4(ring_s + slot, rows[r].scale_word(grp), rows[r].valid);
+                  if constexpr (kStepZeros) copy_async4(ring_z + slot, rows[r].zero_word(grp), rows[r].valid);
+                }
+              }
             }
-            issue_chunk += 4 * ksplit;
           }
-          commit_copies();  // one group per step, empty past the end: the wait count stays exact
+          commit_copies();
         };
+        // two commit groups per pair (the pair, then an empty one), as the loop commits one per step: the
+        // pair of step i is then complete once at most 2 kLead - 1 newer groups are pending
 #pragma unroll
-        for (int i = 0; i < kStages - 1; ++i) issue_step(i, i);
+        for (int pi = 0; pi < kLead; ++pi) {
+          issue_pair(pi, pi);
+          commit_copies();
+        }
 
-        // ring stages of step i (read) and of step i + kStages - 1 (issued): i % kStages, kept as
-        // running counters (kStages = 6 made each % a multiply-high sequence in the loop)
-        int read_stage = 0, issue_stage = kStages - 1;
-        int chunk = kslice * 4 + q;  // the lane's chunk of step i
-        for (int i = 0; i < my_steps; ++i, chunk += 4 * ksplit) {
+        const int word_lane = kWordCopier ? 0 : q;  // the lane's scale and zero words are in lane (g, 0)'s slots
+        int pstage = 0;  // the pair stage of step i
+        for (int i = 0; i < my_steps; ++i) {
+          const int sp = i & 1;
+          const int chunk = (2 * (kslice + (i >> 1) * ksplit) + sp) * 4 + q;  // the lane's chunk of step i
           const bool in_k = chunk < chunks;
           const int grp = min(chunk, chunks - 1) >> group_shift;
           // B: this lane's token's 16-byte activation vectors of the chunk, shared by the unit's tiles
@@ -376,14 +418,16 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
 #pragma unroll
             for (int v = 0; v < kVecs; ++v)
               x[tt][v] = __ldg(reinterpret_cast<const uint4*>(a_row[tt] + min(chunk, chunks - 1) * kChunkVals) + v);
-          wait_copies<kStages - 2>();  // step i has landed
+          wait_copies<2 * kLead - 1>();  // step i has landed (this lane's copies) ...
+          __syncwarp();                  // ... and every lane's
           uint4 wv[kRows];
           B bias[kRows];
           uint32_t scale_bits[kRows];
 #pragma unroll
           for (int r = 0; r < kRows; ++r) {
-            const int slot = (kRows * read_stage + r) * kThreads;
-            wv[r] = ring_w[slot];
+            const int lr = 16 * (r / 2) + 8 * (r % 2) + g;  // tile r / 2, lo or hi row
+            wv[r] = warp_ring[pstage * Ring::kPairChunks + lr * 8 + ((sp * 4 + q) ^ ((g & 1) << 2))];
+            const int slot = (kRows * (2 * pstage + sp) + r) * kThreads - word_lane;
             scale_bits[r] = 0;
             if constexpr (kStepScales) scale_bits[r] = rows[r].scale_bits(ring_s[slot], grp);
             if constexpr (kStepZeros)
@@ -392,9 +436,12 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
               bias[r] = row_bias[r];
             if (!in_k) bias[r] = nothing;
           }
-          issue_step(i + kStages - 1, issue_stage);  // into the slot read one step ago
-          read_stage = read_stage == kStages - 1 ? 0 : read_stage + 1;
-          issue_stage = issue_stage == kStages - 1 ? 0 : issue_stage + 1;
+          // the next pair into the stage of the pair before this one (read by every lane: the __syncwarp)
+          if (sp == 0)
+            issue_pair((i >> 1) + kLead, pstage == 0 ? Ring::kPairStages - 1 : pstage - 1);
+          else
+            commit_copies();
+          if (sp == 1) pstage = pstage == Ring::kPairStages - 1 ? 0 : pstage + 1;
 
 #pragma unroll
           for (int t = 0; t < RT; ++t) {
@@ -467,22 +514,23 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
         // through the ring slots of the lane that computed them (RT * TT float4 of its own slots, idle
         // since its wait_copies<0> above)
         if (active && kslice > 0) {
+          __syncwarp();  // every lane of the warp has read its last chunks
 #pragma unroll
           for (int t = 0; t < RT; ++t)
 #pragma unroll
             for (int tt = 0; tt < TT; ++tt)
-              ring_w[(t * TT + tt) * kThreads] = make_uint4(__float_as_uint(acc[t][tt][0]), __float_as_uint(acc[t][tt][1]),
+              warp_ring[(t * TT + tt) * 32 + lane] = make_uint4(__float_as_uint(acc[t][tt][0]), __float_as_uint(acc[t][tt][1]),
                                                             __float_as_uint(acc[t][tt][2]), __float_as_uint(acc[t][tt][3]));
         }
         __syncthreads();
         if (active && kslice == 0) {
           for (int ks = 1; ks < ksplit; ++ks) {
-            const uint4* other = s_ring + (warp + ks * units_par) * 32 + lane;
+            const uint4* other = s_ring + (warp + ks * units_par) * Ring::kWarpChunks + lane;
 #pragma unroll
             for (int t = 0; t < RT; ++t)
 #pragma unroll
               for (int tt = 0; tt < TT; ++tt) {
-                const uint4 v = other[(t * TT + tt) * kThreads];
+                const uint4 v = other[(t * TT + tt) * 32];
                 acc[t][tt][0] += __uint_as_float(v.x);
                 acc[t][tt][1] += __uint_as_float(v.y);
                 acc[t][tt][2] += __uint_as_float(v.z);

@@ -90,6 +90,16 @@ def test_block_n_is_halved_for_the_grid_only_while_warps_keep_their_k_steps(monk
     assert cuda_ops.warp_k_steps(14336, 4, 8, 128, gated=False) == 56  # 4 two-tile units, K split in 2
 
 
+def test_layer_aligns_to_blocks_of_at_most_eight_tokens(monkeypatch):
+    from vllm_wna16_plugin.kernels import cuda_ops
+
+    # blocks of <= 8 tokens run the two-tile warps; vLLM's own rule would give 16 from M=16
+    for m in (1, 4, 8, 16, 64, 512):
+        assert cuda_ops.gemm_config(m, 2, 8, 4096, 14336, 32, 4, gated=True).block_size_m == min(m, 8)
+    monkeypatch.setattr(cuda_ops, "MAX_BLOCK_M", 16)  # the bench's other form: vLLM's rule
+    assert cuda_ops.gemm_config(64, 2, 8, 4096, 14336, 32, 4, gated=True).block_size_m == 16
+
+
 @needs_extension
 @pytest.mark.parametrize(
     "K, groups, cfg, bits, match",

@@ -81,6 +81,11 @@ MIN_CTAS = 4 * 132
 # M <= 16: 16-64 blocks) the grid wins regardless (16.3 against 25.9 µs at M=1).
 MIN_WARP_STEPS = 8
 MIN_BLOCKS = 132 // 2
+# The largest BLOCK_SIZE_M the layer aligns to (vLLM's rule is min(16, M)): 8. Blocks of <= 8 tokens run the
+# kernel's two-tile warps (one 8-token column tile); 16-token blocks would run two column tiles of one row
+# tile, with the second mostly padding at decode sizes. H200, 2026-12-04-bm8a: 8-token blocks were faster at
+# every M from 16 to 64 on all six shapes (Mixtral M=16 355.5 against 487.1 µs), ahead of Triton to M=32.
+MAX_BLOCK_M = 8
 
 
 def warp_k_steps(size_k: int, bits: int, block_m: int, block_n: int, gated: bool) -> int:
@@ -88,11 +93,13 @@ def warp_k_steps(size_k: int, bits: int, block_m: int, block_n: int, gated: bool
     the kernel's own work split (csrc/moe_wna16_mma.cu), mirrored. A 16-row tile is 16 output columns
     (8 when gated); a warp takes 2 tiles at once for blocks of <= 8 tokens (on GPUs where two blocks of
     that ring fit an SM, e.g. Hopper; elsewhere 1, which this estimate does not model); 8 warps split
-    K when the block has fewer units than warps."""
+    K, in pairs of steps, when the block has fewer units than warps."""
     tiles = -(-block_n // (8 if gated else 16))
     per_warp = 2 if block_m <= 8 and tiles >= 2 else 1
     ksplit = 8 // min(-(-tiles // per_warp), 8)
-    return -(-(-(-size_k * bits // 128) // 4) // ksplit)
+    chunks = -(-size_k * bits // 128)
+    pairs = -(-chunks // 8)  # the warps are dealt pairs of steps (128 bytes of a row)
+    return 2 * -(-pairs // ksplit)
 
 
 def gemm_config(
@@ -107,15 +114,16 @@ def gemm_config(
 
     # channel-wise is one group of K: legal for any K % 8 == 0 (K=176 is 704 at TP4), unlike vLLM's kernel
     cfg = choose_cuda_block_config(m, top_k, num_experts, size_k, size_n, size_k // num_groups, bits)
+    bm = min(cfg.block_size_m, MAX_BLOCK_M)
     pairs = m * top_k
     hit = expected_experts_hit(pairs, num_experts)
-    m_blocks = pairs if cfg.block_size_m == 1 else hit * math.ceil(pairs / hit / cfg.block_size_m)
+    m_blocks = pairs if bm == 1 else hit * math.ceil(pairs / hit / bm)
     bn = cfg.block_size_n
     while bn > 16 and (blocks := m_blocks * -(-size_n // bn)) < MIN_CTAS:
-        if blocks >= MIN_BLOCKS and warp_k_steps(size_k, bits, cfg.block_size_m, bn // 2, gated) < MIN_WARP_STEPS:
+        if blocks >= MIN_BLOCKS and warp_k_steps(size_k, bits, bm, bn // 2, gated) < MIN_WARP_STEPS:
             break
         bn //= 2
-    return BlockConfig(cfg.block_size_m, bn, cfg.block_size_k, cfg.size_k, cfg.group_size)
+    return BlockConfig(bm, bn, cfg.block_size_k, cfg.size_k, cfg.group_size)
 
 
 def invoke_moe_wna16_gemm(

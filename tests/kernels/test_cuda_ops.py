@@ -88,6 +88,9 @@ def test_block_n_is_halved_for_the_grid_only_while_warps_keep_their_k_steps(monk
     # blocks of more than 8 tokens take one tile per warp; a block of 16-column tiles without gating
     assert cuda_ops.warp_k_steps(14336, 4, 16, 128, gated=False) == 112  # 8 tiles, one per warp
     assert cuda_ops.warp_k_steps(14336, 4, 8, 128, gated=False) == 56  # 4 two-tile units, K split in 2
+    # warps are dealt pairs of steps: K=704 is 22 chunks, 3 pairs (the last one short); split in 2, the
+    # first warp streams 2 pairs (4 steps), where a split by steps would have given it 3
+    assert cuda_ops.warp_k_steps(704, 4, 8, 128, gated=False) == 4
 
 
 def test_layer_aligns_to_blocks_of_at_most_eight_tokens(monkeypatch):

@@ -66,6 +66,8 @@ def cuda_extension():
             "csrc/moe_wna16_gemm.cu",
             "csrc/moe_wna16_gemv.cu",
             "csrc/moe_wna16_mma.cu",
+            "csrc/moe_wna16_stream.cu",
+            "csrc/moe_align.cu",
         ],
         include_dirs=[str(ROOT / "csrc")],
         extra_compile_args={"cxx": ["-O3", "-std=c++17", abi], "nvcc": ["-O3", "-std=c++17", "-lineinfo", abi]},

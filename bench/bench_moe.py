@@ -207,7 +207,8 @@ TRITON_FORMS = {
 
 
 # Providers that time the CUDA kernel under another launch geometry (cuda_ops.MIN_CTAS: the grid
-# BLOCK_SIZE_N is halved toward; MIN_WARP_STEPS: the K steps a warp keeps while it is halved)
+# BLOCK_SIZE_N is halved toward; MIN_WARP_STEPS: the K steps a warp keeps while it is halved) or form
+# (cuda_ops.STREAM)
 CUDA_FORMS = {
     "plugin-cuda-ctas1": {"MIN_CTAS": 132},
     "plugin-cuda-ctas4": {"MIN_CTAS": 4 * 132},
@@ -215,6 +216,8 @@ CUDA_FORMS = {
     "plugin-cuda-steps0": {"MIN_WARP_STEPS": 0},  # the halving before MIN_WARP_STEPS
     "plugin-cuda-ctas4-steps4": {"MIN_CTAS": 4 * 132, "MIN_WARP_STEPS": 4},
     "plugin-cuda-bm16": {"MAX_BLOCK_M": 16},  # vLLM's min(16, M) (the default before 2026-12-04-bm8a)
+    "plugin-cuda-tiles": {"STREAM": False},  # the tiled mma kernel for decode blocks (before the stream kernel)
+    "plugin-cuda-vllm-align": {"OWN_ALIGN": False},  # vLLM's moe_align_block_size (before csrc/moe_align.cu)
 }
 
 

@@ -9,6 +9,7 @@
 #   E2E_JOBS=12 bash bench/gpu_session.sh e2e-par          # the whole tier, two pytest processes side by side
 #   bash bench/gpu_session.sh probe inspect               # CUDA op refusals; vLLM's inspection subprocess
 #   bash bench/gpu_session.sh e2e-bench                   # bench/e2e.py (offline throughput)
+#   BREAKDOWN_ARGS='--m 2,8' bash bench/gpu_session.sh breakdown   # kernel times of a layer call
 # The lent machine's copy of the tree has no .git: BENCH_COMMIT names the commit in result files.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -89,6 +90,9 @@ for step in "$@"; do
     e2e-bench) timeout ${E2E_BENCH_TIMEOUT:-540} python3 bench/e2e.py --out "$OUT/res" ${E2E_BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/e2e-bench.log" | tail -30 ;;
     tune) timeout ${TUNE_TIMEOUT:-300} python3 bench/tune.py --out vllm_wna16_plugin/kernels/triton/configs ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -30
           tar czf "$OUT/configs.tgz" -C vllm_wna16_plugin/kernels/triton configs ;;
+    # each kernel's device time in a layer call, beside the call's graph time (bench/kernel_breakdown.py)
+    breakdown) timeout ${BREAKDOWN_TIMEOUT:-240} python3 bench/kernel_breakdown.py --out "$OUT/res" ${BREAKDOWN_ARGS:-} 2>&1 \
+                 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/breakdown.log" | tail -40 ;;
     # a second bench step in one call gets its own log (the first is not overwritten)
     bench) log="$OUT/bench.log"; [ -e "$log" ] && log="$OUT/bench-at-${SECONDS}s.log"
            timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$log" | tail -70

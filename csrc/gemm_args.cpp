@@ -2,6 +2,8 @@
 
 #include "gemm_args.h"
 
+#include <algorithm>
+
 #include "launch_rules.h"
 
 namespace wna16_plus {
@@ -36,8 +38,8 @@ std::string gemm_args_error(const at::Tensor& a, const at::Tensor& qweight, cons
                             const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                             const at::Tensor& num_tokens_post_padded, const at::Tensor& c, int64_t bits,
                             int64_t top_k, int64_t block_size_m, int64_t block_size_n, int64_t block_size_k,
-                            const std::string& kernel, const std::string& activation, bool require_cuda,
-                            GemmShape* shape) {
+                            const std::string& kernel, const std::string& activation,
+                            const std::optional<at::Tensor>& workspace, bool require_cuda, GemmShape* shape) {
   WNA16_REQUIRE(!require_cuda || a.is_cuda(), "a must be a CUDA tensor, got one on ", a.device());
   WNA16_REQUIRE(a.dim() == 2 && a.stride(1) == 1, "a must be (rows, K) with K contiguous, got ", a.sizes());
   WNA16_REQUIRE(a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16,
@@ -111,9 +113,22 @@ std::string gemm_args_error(const at::Tensor& a, const at::Tensor& qweight, cons
   shape->em = em, shape->gated = gated, shape->nothing_to_do = em < block_size_m || num_pairs == 0;
   if (shape->nothing_to_do) return "";
 
-  WNA16_REQUIRE(kernel == "auto" || kernel == "mma" || kernel == "gemv", "kernel must be auto, mma or gemv, got ",
-                kernel);
-  const bool use_mma = kernel == "mma" || (kernel == "auto" && mma_kernel_fits(K, G, bits));
+  WNA16_REQUIRE(kernel == "auto" || kernel == "mma" || kernel == "gemv" || kernel == "stream",
+                "kernel must be auto, mma, stream or gemv, got ", kernel);
+  const bool use_stream = kernel == "stream";
+  const bool use_mma = kernel == "mma" || use_stream || (kernel == "auto" && mma_kernel_fits(K, G, bits));
+  if (use_stream) {  // the persistent mma kernel: one 8-token column tile, and its float32 workspace
+    WNA16_REQUIRE(block_size_m <= 8, "kernel=stream takes blocks of at most 8 pairs, got BLOCK_SIZE_M=", block_size_m);
+    WNA16_REQUIRE(workspace.has_value(), "kernel=stream needs its workspace (cuda_ops.stream_workspace)");
+    WNA16_REQUIRE(workspace->scalar_type() == at::kFloat && workspace->is_contiguous() &&
+                      workspace->device() == a.device(),
+                  "the stream workspace must be a contiguous float32 tensor on ", a.device(), ", got ",
+                  workspace->scalar_type(), " on ", workspace->device());
+    WNA16_REQUIRE(workspace->numel() >= 9 * kStreamSlotWords, "the stream workspace holds ", workspace->numel(),
+                  " floats; one block of 8 warps needs ", 9 * kStreamSlotWords);
+    shape->use_stream = true;
+    shape->stream_slots = workspace->numel() / kStreamSlotWords;
+  }
   WNA16_REQUIRE(!use_mma || mma_kernel_fits(K, G, bits), "the mma kernel needs 16-byte chunks of a weight row ",
                 "inside one scale group, a power-of-two number of them per group; K=", K, ", G=", G, ", int", bits,
                 " does not give them");
@@ -132,6 +147,38 @@ std::string gemm_args_error(const at::Tensor& a, const at::Tensor& qweight, cons
                 "grid too large: N=", N, " with BLOCK_SIZE_N=", block_size_n);
   shape->vec_bytes = vec_bytes;
   shape->use_mma = use_mma;
+  return "";
+}
+
+std::string align_args_error(const at::Tensor& topk_ids, int64_t block_size, int64_t num_experts,
+                             const std::optional<at::Tensor>& expert_map, const at::Tensor& sorted_token_ids,
+                             const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded) {
+  const at::Tensor* int32s[] = {&topk_ids, &sorted_token_ids, &expert_ids, &num_tokens_post_padded};
+  for (const at::Tensor* t : int32s)
+    WNA16_REQUIRE(t->scalar_type() == at::kInt && t->is_contiguous() && t->device() == topk_ids.device(),
+                  "topk_ids, sorted_token_ids, expert_ids and num_tokens_post_padded must be contiguous int32 "
+                  "tensors on one device, got ", t->scalar_type(), " on ", t->device());
+  WNA16_REQUIRE(block_size >= 1 && block_size <= kMaxBlockM, "block_size=", block_size, " is outside [1, ",
+                kMaxBlockM, "]");
+  WNA16_REQUIRE(num_experts >= 1 && num_experts <= kMaxAlignExperts, "num_experts=", num_experts,
+                " is outside [1, ", kMaxAlignExperts, "] (one block's shared memory)");
+  const int64_t pairs = topk_ids.numel();
+  WNA16_REQUIRE(pairs <= kMaxAlignPairs, "topk_ids has ", pairs, " pairs; the one-block alignment takes at most ",
+                kMaxAlignPairs, " (vLLM's moe_align_block_size takes more)");
+  if (expert_map.has_value())
+    WNA16_REQUIRE(expert_map->scalar_type() == at::kInt && expert_map->is_contiguous() && expert_map->dim() == 1 &&
+                      expert_map->numel() == num_experts && expert_map->device() == topk_ids.device(),
+                  "expert_map must be a contiguous int32 (num_experts=", num_experts, ",) tensor on ",
+                  topk_ids.device(), ", got ", expert_map->sizes(), " ", expert_map->scalar_type());
+  // vLLM's bound on the padded list: every expert's last block may be padding, and no block holds fewer
+  // than one pair
+  const int64_t longest = std::min(pairs * block_size, pairs + num_experts * (block_size - 1));
+  WNA16_REQUIRE(sorted_token_ids.numel() >= longest, "sorted_token_ids holds ", sorted_token_ids.numel(),
+                " ids; ", pairs, " pairs over ", num_experts, " experts in blocks of ", block_size, " may need ", longest);
+  WNA16_REQUIRE(expert_ids.numel() >= (sorted_token_ids.numel() + block_size - 1) / block_size &&
+                    num_tokens_post_padded.numel() >= 1,
+                "expert_ids must hold one id per block of sorted_token_ids (", (sorted_token_ids.numel() + block_size - 1) / block_size,
+                "), num_tokens_post_padded one count");
   return "";
 }
 

@@ -22,6 +22,8 @@ struct GemmShape {
   // element strides of a row and of a group in scales and qzeros (see TableLayout in gemm_args.cpp)
   int64_t s_stride_n = 0, s_stride_g = 1, z_stride_n = 0, z_stride_g = 1;
   bool use_mma = false, gated = false;
+  bool use_stream = false;  // kernel "stream": the persistent form of the mma kernel (moe_wna16_stream.cu)
+  int64_t stream_slots = 0;  // the split-unit slots its workspace holds
   bool nothing_to_do = false;  // no whole block of sorted ids, or no pairs: accepted, nothing launched
 };
 
@@ -32,8 +34,13 @@ std::string gemm_args_error(const at::Tensor& a, const at::Tensor& qweight, cons
                             const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                             const at::Tensor& num_tokens_post_padded, const at::Tensor& c, int64_t bits,
                             int64_t top_k, int64_t block_size_m, int64_t block_size_n, int64_t block_size_k,
-                            const std::string& kernel, const std::string& activation, bool require_cuda,
-                            GemmShape* shape);
+                            const std::string& kernel, const std::string& activation,
+                            const std::optional<at::Tensor>& workspace, bool require_cuda, GemmShape* shape);
+
+// "" when wna16_plus::moe_align_block_size may launch (moe_align.cu), else the reason.
+std::string align_args_error(const at::Tensor& topk_ids, int64_t block_size, int64_t num_experts,
+                             const std::optional<at::Tensor>& expert_map, const at::Tensor& sorted_token_ids,
+                             const at::Tensor& expert_ids, const at::Tensor& num_tokens_post_padded);
 
 // Message pieces without std::ostream.
 inline std::string piece(const char* s) { return s; }

@@ -10,6 +10,16 @@ namespace wna16_plus {
 
 constexpr int64_t kMaxBlockM = 64;  // sorted pair ids of one block live in shared memory
 
+// The stream kernel's workspace per warp: two float32 partial sums of a unit (2 row tiles x 32 lanes x 4
+// each), and one int32 arrival counter. A launch uses at most numel / kStreamSlotWords - 1 warps.
+constexpr int64_t kStreamSlotSums = 2 * 256;
+constexpr int64_t kStreamSlotWords = kStreamSlotSums + 1;
+
+// The one-block token alignment (moe_align.cu): its shared memory holds 2 counts per expert; it is for
+// decode batches (vLLM's takes larger ones).
+constexpr int64_t kMaxAlignExperts = 4096;
+constexpr int64_t kMaxAlignPairs = 1 << 16;
+
 // Bytes per B vector load: the widest of 16/8/4 that divides a weight row and keeps each
 // vector inside one scale group (so one scale/zero serves the whole vector). 0 = none fits.
 inline int64_t pick_vector_bytes(int64_t size_k, int64_t num_groups, int64_t bits) {

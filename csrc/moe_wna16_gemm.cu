@@ -15,13 +15,16 @@
 // group (every real model shape), else the CUDA-core kernel (moe_wna16_gemv.cu). `kernel`
 // ("auto", "mma", "gemv") forces one, for tests and benchmarks. `activation` ("silu", "gelu")
 // fuses the gated activation of GEMM1 into the mma kernel: c[p, n] = act(h[p, n]) * h[p, N/2 + n]
-// for n < N/2, h being the GEMM above; c is then (num_pairs, N/2).
+// for n < N/2, h being the GEMM above; c is then (num_pairs, N/2). kernel "stream" runs the mma kernel's
+// persistent form (moe_wna16_stream.cu; BLOCK_SIZE_N is then unused) with `workspace`, a float32 tensor
+// created zero (cuda_ops.stream_workspace); on GPUs where its ring does not fit, the tiled one.
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/all.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 
@@ -35,11 +38,12 @@ std::string moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const
                            const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                            const at::Tensor& num_tokens_post_padded, at::Tensor& c, int64_t bits, int64_t top_k,
                            int64_t block_size_m, int64_t block_size_n, int64_t block_size_k,
-                           const std::string& kernel, const std::string& activation) {
+                           const std::string& kernel, const std::string& activation,
+                           const std::optional<at::Tensor>& workspace) {
   GemmShape s;
   const std::string refusal =
       gemm_args_error(a, qweight, scales, qzeros, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
-                      c, bits, top_k, block_size_m, block_size_n, block_size_k, kernel, activation, true, &s);
+                      c, bits, top_k, block_size_m, block_size_n, block_size_k, kernel, activation, workspace, true, &s);
   if (!refusal.empty() || s.nothing_to_do) return refusal;
   const c10::cuda::OptionalCUDAGuard guard(a.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -55,7 +59,28 @@ std::string moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const
                activation == "silu" ? 1 : activation == "gelu" ? 2 : 0, static_cast<int>(s.out_n),
                s.s_stride_n, s.s_stride_g, s.z_stride_n, s.z_stride_g};
   const bool fp16 = a.scalar_type() == at::kHalf;
-  if (s.use_mma) {
+  if (s.use_stream) {
+    // two blocks per SM (what the registers allow), fewer when the work bound (every sorted block live) has
+    // under two pairs per warp, or the workspace has fewer slots
+    const int64_t unit_cols = s.gated ? 16 : 32, pairs = (s.K * bits / 128 + 7) / 8;
+    const int64_t work = s.em / block_size_m * ((s.out_n + unit_cols - 1) / unit_cols) * pairs;
+    int sms = 0;
+    if (const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device().index());
+        err != cudaSuccess)
+      return std::string("stream kernel setup failed: ") + cudaGetErrorString(err);
+    const int64_t blocks = std::max<int64_t>(1, std::min({int64_t{2} * sms, (work + 2 * kWarps - 1) / (2 * kWarps),
+                                                         (s.stream_slots - 1) / kWarps}));
+    float* partials = workspace->data_ptr<float>();
+    int* counters = reinterpret_cast<int*>(partials + s.stream_slots * kStreamSlotSums);
+    const cudaError_t setup = launch_moe_wna16_stream(p, fp16, static_cast<int>(bits), static_cast<int>(blocks),
+                                                      partials, counters, stream);
+    if (setup != cudaSuccess && setup != cudaErrorNotSupported)
+      return std::string("stream kernel setup failed: ") + cudaGetErrorString(setup);
+    s.use_stream = setup == cudaSuccess;  // else its ring does not fit this GPU: the tiled kernel
+  }
+  if (s.use_stream) {
+    // launched
+  } else if (s.use_mma) {
     const cudaError_t setup = launch_moe_wna16_mma(p, fp16, static_cast<int>(bits), grid, stream);
     if (setup != cudaSuccess) return std::string("mma kernel setup failed: ") + cudaGetErrorString(setup);
   } else {

@@ -32,236 +32,34 @@
 // lanes then read back the chunks of their fragment, which other lanes copied (a __syncwarp per step
 // makes them visible). Copying each lane's own chunk instead read 8 rows x 64 bytes per instruction,
 // and ncu counted half of the kernel's shared-memory wavefronts as excess (Mixtral M=8). The 4-byte
-// words holding a chunk's scale and zero point are still copied by the lane that reads them, into its
-// own slots. kStages / 2 - 1 pairs per warp are in flight while one is computed.
+// words holding a chunk's scale and zero point are copied by the lane that reads them where its chunk
+// has its own group, else once per row (RingShape). kStages / 2 - 1 pairs per warp are in flight while
+// one is computed.
 //
 // Gated activation (GEMM1 of a MoE layer, p.activation != 0): a tile is 8 output columns n, whose
 // gate rows n are the fragment's rows g and whose up rows N/2 + n are its rows g + 8. Each lane then
 // holds gate and up of the same (token, column) and writes act(gate) * up directly: no h1 round trip
 // through memory and no activation launch.
 
-#include <type_traits>
-
-#include "wna16_common.cuh"
+#include "mma_common.cuh"
 
 namespace wna16_plus {
 
 namespace {
 
-// The cp.async ring of a warp that streams RT row tiles (16 RT rows, 2 RT a lane): its depth in steps
-// (an even number: pairs of steps are copied together), the 16-byte chunks of a warp's ring, and the
-// shared memory per block (the warps' chunks, then the 4-byte scale / zero-point words of every row,
-// thread and stage). Both depths keep 4 KB of weights in flight per warp.
-template <int RT>
-struct RingShape {
-  static constexpr int kStages = RT == 1 ? 6 : 4;
-  static constexpr int kPairStages = kStages / 2;
-  static constexpr int kPairChunks = 16 * RT * 8;  // one pair stage: 16 RT rows x 8 chunks
-  static constexpr int kWarpChunks = kPairStages * kPairChunks;
-  static constexpr int kBytes = kWarps * kWarpChunks * 16 + kStages * 2 * RT * kThreads * (4 + 4);
-  static_assert(kStages % 2 == 0, "the ring holds whole pairs of steps");
-};
-
-// Where a group's scale multiplies (see the header). The host picks it from the group length.
-enum ScaleMode : int {
-  kScalePairs = 0,  // groups shorter than a step: each dequantized pair, before the mma
-  kScaleSteps = 1,  // every step lies in one group: the step's float32 mma result
-  kScaleRows = 2,   // channel-wise: the tile's float32 sums, once at the end
-};
-
-__device__ __forceinline__ uint32_t shared_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// BYTES from global to shared memory, asynchronously; zeros when !valid (nothing is read then).
-__device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void copy_async4(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(shared_addr(dst)), "l"(src), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;" ::); }
-template <int PENDING>
-__device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
-}
-
-// (a & mask) | bits in one instruction (nvcc emits an and and an or for the C expression).
-template <uint32_t MASK, uint32_t BITS>
-__device__ __forceinline__ uint32_t and_or(uint32_t a) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(MASK), "n"(BITS));
-  return d;
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
-
-// The arithmetic of the activation dtype on 32-bit pairs.
-template <typename T>
-struct Pairs;
-template <>
-struct Pairs<__half> {
-  using P = __half2;
-  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) { return bits(__hsub2(pair(a), pair(b))); }
-  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) { return bits(__hmul2(pair(a), pair(b))); }
-  static __device__ __forceinline__ uint32_t fma(uint32_t a, uint32_t b, uint32_t c) {
-    return bits(__hfma2(pair(a), pair(b), pair(c)));
-  }
-  static __device__ __forceinline__ uint32_t from_floats(float lo, float hi) { return bits(__floats2half2_rn(lo, hi)); }
-  static __device__ __forceinline__ float to_float(uint32_t half_bits) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(half_bits)));
-  }
-  static __device__ __forceinline__ P pair(uint32_t v) { return *reinterpret_cast<P*>(&v); }
-  static __device__ __forceinline__ uint32_t bits(P v) { return *reinterpret_cast<uint32_t*>(&v); }
-};
-template <>
-struct Pairs<__nv_bfloat16> {
-  using P = __nv_bfloat162;
-  static __device__ __forceinline__ uint32_t sub(uint32_t a, uint32_t b) { return bits(__hsub2(pair(a), pair(b))); }
-  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) { return bits(__hmul2(pair(a), pair(b))); }
-  static __device__ __forceinline__ uint32_t from_floats(float lo, float hi) {
-    return bits(__floats2bfloat162_rn(lo, hi));
-  }
-  static __device__ __forceinline__ float to_float(uint32_t bf16_bits) { return __uint_as_float(bf16_bits << 16); }
-  static __device__ __forceinline__ P pair(uint32_t v) { return *reinterpret_cast<P*>(&v); }
-  static __device__ __forceinline__ uint32_t bits(P v) { return *reinterpret_cast<uint32_t*>(&v); }
-};
-
-// The zero point of one row and group as the pairs the dequantization subtracts (z: 0 .. 2^BITS - 1).
-template <typename T, int BITS>
-struct Bias {
-  uint32_t sub;    // int4: (magic + z) twice; int8 fp16: (1024 + z) twice; int8 bf16: unused
-  uint32_t sub16;  // int4 fp16: -(64 + z) twice, for the high nibble of a byte (1024 + 16 q) / 16
-  float zero;      // int8 bf16: 2^23 + z, for the float32 path
-  static __device__ __forceinline__ Bias make(uint32_t z) {
-    Bias b;
-    if constexpr (std::is_same_v<T, __half>) {
-      b.sub = (0x6400u | z) * 0x10001u;  // 1024 + z: exact below 2048
-      b.sub16 = (0xD400u + (z << 4)) * 0x10001u;  // -(64 + z): ulp 1/16 at 64
-    } else {
-      b.sub = (0x4300u | z) * 0x10001u;  // 128 + z (int4 only: z < 16)
-      b.sub16 = 0;
-    }
-    b.zero = 8388608.0f + static_cast<float>(z);
-    return b;
-  }
-};
-
-// The four (q - z) pairs of an int4 word: nibbles (k, k + 4) for k = 0..3, in the order the mma
-// fragment takes them (pairs 0 and 1 feed one mma, 2 and 3 the next). Exact in bf16 and fp16.
-template <typename T>
-__device__ __forceinline__ void centered_int4(uint32_t w, const Bias<T, 4>& b, uint32_t (&out)[4]) {
-  using A = Pairs<T>;
-  if constexpr (std::is_same_v<T, __half>) {
-    // the high nibble of a byte fits the fp16 mantissa as 16 q: 1024 + 16 q, scaled back by the fma
-    constexpr uint32_t kSixteenth = 0x2C002C00u;  // 1/16
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t v = h == 0 ? w : w >> 8;
-      out[2 * h] = A::sub(and_or<0x000F000Fu, 0x64006400u>(v), b.sub);
-      out[2 * h + 1] = A::fma(and_or<0x00F000F0u, 0x64006400u>(v), kSixteenth, b.sub16);
-    }
-  } else {
-    // the bf16 mantissa has 7 bits: every nibble is shifted down to bits 0-3 first
-#pragma unroll
-    for (int s = 0; s < 4; ++s) out[s] = A::sub(and_or<0x000F000Fu, 0x43004300u>(w >> (4 * s)), b.sub);
-  }
-}
-
-// The two (q - z) pairs of an int8 word: bytes (0, 2) and (1, 3). Exact in both dtypes.
-template <typename T>
-__device__ __forceinline__ void centered_int8(uint32_t w, const Bias<T, 8>& b, uint32_t (&out)[2]) {
-  using A = Pairs<T>;
-  if constexpr (std::is_same_v<T, __half>) {
-    out[0] = A::sub(__byte_perm(w, 0x64u, 0x4240), b.sub);  // (1024 + b0, 1024 + b2) - (1024 + z)
-    out[1] = A::sub(__byte_perm(w, 0x64u, 0x4341), b.sub);
-  } else {  // 2^23 + b is the float whose low mantissa bits are the byte; the difference is exact
-    float v[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440 + i)) - b.zero;
-    out[0] = A::from_floats(v[0], v[2]);
-    out[1] = A::from_floats(v[1], v[3]);
-  }
-}
-
-// The centered pairs of a word of both rows times their rows' scale pairs (kScalePairs).
-template <typename T, int PAIRS>
-__device__ __forceinline__ void scale_pairs(uint32_t (&lo)[PAIRS], uint32_t (&hi)[PAIRS], uint32_t scale_lo,
-                                            uint32_t scale_hi) {
-#pragma unroll
-  for (int s = 0; s < PAIRS; ++s) {
-    lo[s] = Pairs<T>::mul(lo[s], scale_lo);
-    hi[s] = Pairs<T>::mul(hi[s], scale_hi);
-  }
-}
-
-// d += A (16 x 16, row) * B (16 x 8, col), float32 accumulate.
-template <typename T>
-__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-
-// One of the lane's weight rows in a tile: the addresses of its bytes, scales and zero points.
-template <int BITS>
-struct Row {
-  const uint8_t* s;   // the row's scale of group 0 (bytes)
-  const uint8_t* z;   // the row's zero-point byte of group 0 (packed along N)
-  int s_step, z_step;  // bytes from one group to the next (group-major tables: a row of the table apart)
-  int z_shift;        // 4 for odd n of int4 (high nibble), else 0
-  bool valid;         // a row of the block's columns (else its copies are zeros and its sums unused)
-
-  // The 4-byte words holding the scale and zero point of group g (cp.async copies aligned words).
-  __device__ __forceinline__ const void* scale_word(int g) const {
-    return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(s + g * s_step) & ~uintptr_t{3});
-  }
-  __device__ __forceinline__ const void* zero_word(int g) const {
-    return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(z + g * z_step) & ~uintptr_t{3});
-  }
-  __device__ __forceinline__ uint32_t scale_bits(uint32_t word, int g) const {
-    return (reinterpret_cast<uintptr_t>(s + g * s_step) & 2) ? word >> 16 : word & 0xFFFFu;
-  }
-  __device__ __forceinline__ uint32_t zero(uint32_t word, int g) const {
-    return (word >> (8 * (reinterpret_cast<uintptr_t>(z + g * z_step) & 3) + z_shift)) & ((1u << BITS) - 1);
-  }
-};
-
-// act(gate) * up in float32: 1 = silu, 2 = gelu (erf), as the plugin's Triton activation kernel.
-__device__ __forceinline__ float gated_activation(float gate, float up, int activation) {
-  const float act = activation == 1 ? gate / (1.0f + __expf(-gate)) : 0.5f * gate * (1.0f + erff(gate * 0.70710678118654752f));
-  return act * up;
-}
-
 template <typename T, int BITS, int TT, int SCALES, bool HAS_ZP, int RT>
 __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmParams p) {
   using A = Pairs<T>;
   using B = Bias<T, BITS>;
-  using Ring = RingShape<RT>;
+  using Ring = RingShape<RT, SCALES, HAS_ZP>;
   constexpr int kRows = 2 * RT;                           // weight rows per lane: lo and hi of RT tiles
-  constexpr int kStages = Ring::kStages;
   constexpr int kChunkVals = 128 / BITS;                 // k per 16-byte chunk
   constexpr int kVecs = kChunkVals * sizeof(T) / 16;     // 16-byte activation vectors per chunk
-  constexpr bool kStepScales = SCALES != kScaleRows;     // scale words travel with the chunks
-  constexpr bool kStepZeros = HAS_ZP && kStepScales;     // and so do zero-point words
-  constexpr bool kWordCopier = SCALES == kScalePairs;      // each lane copies its words (its chunk's own group)
   constexpr int kLead = Ring::kPairStages - 1;             // pairs in flight while one is computed
   __shared__ int s_pairs[kMaxBlockM];
-  // Ring::kBytes: per warp [pair stage][16 RT rows][8 chunks], then per lane [stage][row][thread] scale and
-  // zero-point words (slot (stage d, row r) at (kRows d + r) * kThreads)
   extern __shared__ uint4 s_ring[];
-  uint32_t* const ring_s = reinterpret_cast<uint32_t*>(s_ring + kWarps * Ring::kWarpChunks) + threadIdx.x;
-  uint32_t* const ring_z = ring_s + kStages * kRows * kThreads;
+  uint32_t* const ring_s = Ring::scale_words(s_ring);
+  uint32_t* const ring_z = Ring::zero_words(s_ring);
   const int n_begin = blockIdx.y * p.block_n;
   const int n_end = min(p.out_n, n_begin + p.block_n);  // output columns
   int expert;
@@ -286,7 +84,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
   const T* a = static_cast<const T*>(p.a);
   T* c = static_cast<T*>(p.c);
   const B symmetric = B::make(1u << (BITS - 1));
-  const B nothing = B::make(0);  // for chunks past K: q - 0 of a zero-filled chunk is 0
 
   for (int t0 = 0; t0 < p.block_m; t0 += 8 * TT) {
     bool any = false;  // uniform over the block: skip passes of padding only
@@ -329,23 +126,10 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
         for (int r = 0; r < kRows; ++r) {
           const int t = r / 2;
           const int n = r % 2 == 0 ? n_lo[t] : gated ? n_lo[t] + p.out_n : n_hi[t];  // gated: the up row
-          rows[r].valid = (r % 2 == 0 ? n_lo[t] : n_hi[t]) < n_end;
-          rows[r].s = static_cast<const uint8_t*>(p.scales) +
-                      (static_cast<int64_t>(expert) * p.N * p.num_groups + n * p.s_stride_n) * 2;
-          rows[r].z = p.qzeros + static_cast<int64_t>(expert) * (p.N * BITS / 8) * p.num_groups +
-                      static_cast<int64_t>(n * BITS / 8) * p.z_stride_n;
-          rows[r].s_step = static_cast<int>(p.s_stride_g) * 2;
-          rows[r].z_step = static_cast<int>(p.z_stride_g);
-          rows[r].z_shift = BITS == 4 && (n & 1) ? 4 : 0;
+          rows[r] = Row<BITS>::make(p, expert, n, (r % 2 == 0 ? n_lo[t] : n_hi[t]) < n_end);
           row_bias[r] = symmetric;
-          row_scale[r] = 0.0f;
-          if constexpr (SCALES == kScaleRows) {
-            if (rows[r].valid) {
-              row_scale[r] = A::to_float(*reinterpret_cast<const uint16_t*>(rows[r].s));
-              if constexpr (HAS_ZP) row_bias[r] = B::make((*rows[r].z >> rows[r].z_shift) & ((1u << BITS) - 1));
-            }
-          }
         }
+        if constexpr (SCALES == kScaleRows) row_constants<T, BITS, HAS_ZP, RT>(rows, row_scale, row_bias);
         // The copies of a pair: 2 kRows instructions, c taking rows 4c .. 4c + 3 of the warp's 16 RT (tile t's
         // rows 16t .. 16t + 15: its lo rows g, then its hi rows g + 8), lane l chunk l % 8 of row 4c + l / 8.
         // A row's 8 chunks sit in one 128-byte line of the ring with the step bit swizzled by the row's
@@ -376,22 +160,11 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
             for (int cp = 0; cp < kCopies; ++cp)
               copy_async16(warp_ring + pstage * Ring::kPairChunks + cp * 32 + copy_slot, src + copy_offset[cp],
                            ((copy_valid >> cp) & 1) && in_k);
-            // and, per row and step, the words of the scale and zero point of this lane's chunk. Where a step
-            // lies in one group, lane (g, 0) copies them for the four lanes of its rows: 4-byte copies of all
-            // 32 lanes cost 8 shared-memory wavefronts each (ncu, Mixtral M=8: 6.4M bank conflicts, all on
-            // LDGSTS), as many as the weights' 16-byte copies
+            // and, per row and step, the words of the scale and zero point of this lane's chunk
 #pragma unroll
-            for (int sp = 0; sp < 2; ++sp) {
-              const int grp = min((2 * gp + sp) * 4 + q, chunks - 1) >> group_shift;
-              if (kWordCopier || q == 0) {
-#pragma unroll
-                for (int r = 0; r < kRows; ++r) {
-                  const int slot = (kRows * (2 * pstage + sp) + r) * kThreads;
-                  if constexpr (kStepScales) copy_async4(ring_s + slot, rows[r].scale_word(grp), rows[r].valid);
-                  if constexpr (kStepZeros) copy_async4(ring_z + slot, rows[r].zero_word(grp), rows[r].valid);
-                }
-              }
-            }
+            for (int sp = 0; sp < 2; ++sp)
+              copy_step_words<SCALES, HAS_ZP, RT>(ring_s, ring_z, 2 * pstage + sp, q, rows,
+                                                  min((2 * gp + sp) * 4 + q, chunks - 1) >> group_shift);
           }
           commit_copies();
         };
@@ -403,7 +176,6 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
           commit_copies();
         }
 
-        const int word_lane = kWordCopier ? 0 : q;  // the lane's scale and zero words are in lane (g, 0)'s slots
         int pstage = 0;  // the pair stage of step i
         for (int i = 0; i < my_steps; ++i) {
           const int sp = i & 1;
@@ -423,19 +195,8 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
           uint4 wv[kRows];
           B bias[kRows];
           uint32_t scale_bits[kRows];
-#pragma unroll
-          for (int r = 0; r < kRows; ++r) {
-            const int lr = 16 * (r / 2) + 8 * (r % 2) + g;  // tile r / 2, lo or hi row
-            wv[r] = warp_ring[pstage * Ring::kPairChunks + lr * 8 + ((sp * 4 + q) ^ ((g & 1) << 2))];
-            const int slot = (kRows * (2 * pstage + sp) + r) * kThreads - word_lane;
-            scale_bits[r] = 0;
-            if constexpr (kStepScales) scale_bits[r] = rows[r].scale_bits(ring_s[slot], grp);
-            if constexpr (kStepZeros)
-              bias[r] = B::make(rows[r].zero(ring_z[slot], grp));
-            else
-              bias[r] = row_bias[r];
-            if (!in_k) bias[r] = nothing;
-          }
+          read_step<T, BITS, SCALES, HAS_ZP, RT>(warp_ring, ring_s, ring_z, pstage, sp, g, q, grp, in_k, rows, row_bias,
+                                                 wv, bias, scale_bits);
           // the next pair into the stage of the pair before this one (read by every lane: the __syncwarp)
           if (sp == 0)
             issue_pair((i >> 1) + kLead, pstage == 0 ? Ring::kPairStages - 1 : pstage - 1);
@@ -443,61 +204,7 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
             commit_copies();
           if (sp == 1) pstage = pstage == Ring::kPairStages - 1 ? 0 : pstage + 1;
 
-#pragma unroll
-          for (int t = 0; t < RT; ++t) {
-            const int lo_r = 2 * t, hi_r = 2 * t + 1;
-            // kScaleSteps: the step's exact sums, scaled once; otherwise straight into acc
-            float part[TT][4];
-#pragma unroll
-            for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) part[tt][e] = SCALES == kScaleSteps ? 0.0f : acc[t][tt][e];
-            const uint32_t scale_lo = scale_bits[lo_r] * 0x10001u, scale_hi = scale_bits[hi_r] * 0x10001u;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              if constexpr (BITS == 4) {
-                uint32_t lo[4], hi[4];
-                centered_int4<T>(word(wv[lo_r], j), bias[lo_r], lo);
-                centered_int4<T>(word(wv[hi_r], j), bias[hi_r], hi);
-                // groups shorter than a step: the pairs take the scale
-                if constexpr (SCALES == kScalePairs) scale_pairs<T>(lo, hi, scale_lo, scale_hi);
-#pragma unroll
-                for (int tt = 0; tt < TT; ++tt) {
-                  const uint4& xv = x[tt][j];  // k 8j .. 8j+7 of the chunk
-                  // mma m takes pairs 2m (k slots 2q, 2q+1) and 2m + 1 (slots 2q+8, 2q+9): {lo, hi, lo, hi}
-                  mma_16816<T>(part[tt], lo[0], hi[0], lo[1], hi[1], __byte_perm(xv.x, xv.z, 0x5410),
-                               __byte_perm(xv.x, xv.z, 0x7632));
-                  mma_16816<T>(part[tt], lo[2], hi[2], lo[3], hi[3], __byte_perm(xv.y, xv.w, 0x5410),
-                               __byte_perm(xv.y, xv.w, 0x7632));
-                }
-              } else {
-                uint32_t lo[2], hi[2];
-                centered_int8<T>(word(wv[lo_r], j), bias[lo_r], lo);
-                centered_int8<T>(word(wv[hi_r], j), bias[hi_r], hi);
-                if constexpr (SCALES == kScalePairs) scale_pairs<T>(lo, hi, scale_lo, scale_hi);
-#pragma unroll
-                for (int tt = 0; tt < TT; ++tt) {
-                  const uint4& xv = x[tt][j / 2];  // k 4j .. 4j+3 of the chunk
-                  const uint32_t x_lo = j % 2 ? xv.z : xv.x, x_hi = j % 2 ? xv.w : xv.y;
-                  mma_16816<T>(part[tt], lo[0], hi[0], lo[1], hi[1], __byte_perm(x_lo, x_hi, 0x5410),
-                               __byte_perm(x_lo, x_hi, 0x7632));
-                }
-              }
-            }
-            // C fragment: e = 0, 1 -> row g (lo), e = 2, 3 -> row g + 8 (hi)
-            if constexpr (SCALES == kScaleSteps) {
-              const float s_lo = A::to_float(scale_bits[lo_r]), s_hi = A::to_float(scale_bits[hi_r]);
-#pragma unroll
-              for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[t][tt][e] = fmaf(part[tt][e], e < 2 ? s_lo : s_hi, acc[t][tt][e]);
-            } else {
-#pragma unroll
-              for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[t][tt][e] = part[tt][e];
-            }
-          }
+          mma_step<T, BITS, TT, SCALES, RT>(acc, wv, bias, scale_bits, x);
         }
         wait_copies<0>();  // the ring is idle now: the next unit may reuse it, the K-split sums pass through it
         if constexpr (SCALES == kScaleRows) {
@@ -567,70 +274,32 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_mma_kernel(const GemmPa
 
 template <typename T, int BITS, int TT, int SCALES, bool HAS_ZP, int RT>
 cudaError_t launch_tiles(const GemmParams& p, dim3 grid, cudaStream_t stream) {
-  auto* kernel = moe_wna16_mma_kernel<T, BITS, TT, SCALES, HAS_ZP, RT>;
-  constexpr int kBytes = RingShape<RT>::kBytes;
-  // the ring is above the 48 KB a launch gets without asking: opt in once per device
-  constexpr int kMaxDevices = 64;
-  static bool opted_in[kMaxDevices] = {};
-  int device = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  if (device >= kMaxDevices || !opted_in[device]) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-    if (err != cudaSuccess) return err;
-    if (device < kMaxDevices) opted_in[device] = true;
-  }
+  constexpr auto kernel = moe_wna16_mma_kernel<T, BITS, TT, SCALES, HAS_ZP, RT>;
+  constexpr int kBytes = RingShape<RT, SCALES, HAS_ZP>::kBytes;
+  if (const cudaError_t err = allow_ring<kernel, kBytes>(); err != cudaSuccess) return err;
   kernel<<<grid, kThreads, kBytes, stream>>>(p);
   return cudaSuccess;
-}
-
-// Whether two blocks of the two-tile ring (96 KB each) fit an SM of the current device: Hopper's 228 KB
-// hold them, an A100's 164 KB or the 100 KB of sm86/89 do not, and there one-tile warps keep the
-// occupancy the kernel was measured with. (Only the H200 has run the two-tile path.)
-bool two_tile_blocks_fit() {
-  constexpr int kMaxDevices = 64;
-  static int known[kMaxDevices] = {};  // 0: not asked yet, 1: fits, 2: does not
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (device < kMaxDevices && known[device] != 0) return known[device] == 1;
-  int smem = 0;
-  cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-  const bool fits = smem >= 2 * (RingShape<2>::kBytes + 4096);  // + static shared memory and the driver's 1 KB
-  if (device < kMaxDevices) known[device] = fits ? 1 : 2;
-  return fits;
 }
 
 // One 8-token column tile per pass (block_m <= 8, decode) streams two row tiles per warp when the block
 // has them: the activation loads and their permutes then serve twice the weights. 16 tokens per pass
 // stream one (registers).
 template <typename T, int BITS, int SCALES, bool HAS_ZP>
-cudaError_t launch_zp(const GemmParams& p, dim3 grid, cudaStream_t stream) {
-  const int tile_cols = p.activation != 0 ? 8 : 16;
-  const int ntiles = (min(p.block_n, p.out_n) + tile_cols - 1) / tile_cols;
-  if (p.block_m > 8) return launch_tiles<T, BITS, 2, SCALES, HAS_ZP, 1>(p, grid, stream);
-  if (ntiles >= 2 && two_tile_blocks_fit()) return launch_tiles<T, BITS, 1, SCALES, HAS_ZP, 2>(p, grid, stream);
-  return launch_tiles<T, BITS, 1, SCALES, HAS_ZP, 1>(p, grid, stream);
-}
-
-template <typename T, int BITS, int SCALES>
-cudaError_t launch_scaled(const GemmParams& p, dim3 grid, cudaStream_t stream) {
-  return p.qzeros != nullptr ? launch_zp<T, BITS, SCALES, true>(p, grid, stream)
-                             : launch_zp<T, BITS, SCALES, false>(p, grid, stream);
-}
-
-template <typename T, int BITS>
-cudaError_t launch_typed(const GemmParams& p, dim3 grid, cudaStream_t stream) {
-  // a step is 4 chunks of a row: it lies in one group when a group holds at least 4 chunks
-  const int chunks_per_group = p.K * BITS / 128 / p.num_groups;
-  if (p.num_groups == 1) return launch_scaled<T, BITS, kScaleRows>(p, grid, stream);
-  if (chunks_per_group >= 4) return launch_scaled<T, BITS, kScaleSteps>(p, grid, stream);
-  return launch_scaled<T, BITS, kScalePairs>(p, grid, stream);
-}
+struct LaunchTiles {
+  static cudaError_t run(const GemmParams& p, dim3 grid, cudaStream_t stream) {
+    const int tile_cols = p.activation != 0 ? 8 : 16;
+    const int ntiles = (min(p.block_n, p.out_n) + tile_cols - 1) / tile_cols;
+    if (p.block_m > 8) return launch_tiles<T, BITS, 2, SCALES, HAS_ZP, 1>(p, grid, stream);
+    if (ntiles >= 2 && two_tile_blocks_fit<RingShape<2, SCALES, HAS_ZP>::kBytes>())
+      return launch_tiles<T, BITS, 1, SCALES, HAS_ZP, 2>(p, grid, stream);
+    return launch_tiles<T, BITS, 1, SCALES, HAS_ZP, 1>(p, grid, stream);
+  }
+};
 
 }  // namespace
 
 cudaError_t launch_moe_wna16_mma(const GemmParams& p, bool fp16, int bits, dim3 grid, cudaStream_t stream) {
-  if (fp16) return bits == 4 ? launch_typed<__half, 4>(p, grid, stream) : launch_typed<__half, 8>(p, grid, stream);
-  return bits == 4 ? launch_typed<__nv_bfloat16, 4>(p, grid, stream) : launch_typed<__nv_bfloat16, 8>(p, grid, stream);
+  return dispatch_mma<LaunchTiles>(p, fp16, bits, grid, stream);
 }
 
 }  // namespace wna16_plus

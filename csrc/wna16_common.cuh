@@ -75,5 +75,10 @@ __device__ __forceinline__ bool stage_block_pairs(const GemmParams& p, int* s_pa
 void launch_moe_wna16_gemv(const GemmParams& p, bool fp16, int bits, int vec_bytes, dim3 grid, cudaStream_t stream);
 // launch_moe_wna16_mma returns the error of its one-time setup (the shared-memory opt-in), if any.
 cudaError_t launch_moe_wna16_mma(const GemmParams& p, bool fp16, int bits, dim3 grid, cudaStream_t stream);
+// The persistent form (moe_wna16_stream.cu) on `blocks` blocks; partials / counters: its workspace of at
+// least blocks * kWarps + 1 slots (kStreamSlotWords), counters zero. cudaErrorNotSupported: its ring does
+// not fit this GPU (nothing launched).
+cudaError_t launch_moe_wna16_stream(const GemmParams& p, bool fp16, int bits, int blocks, float* partials,
+                                    int* counters, cudaStream_t stream);
 
 }  // namespace wna16_plus

@@ -211,7 +211,11 @@ BAD_GEMM_ARGS = {  # name -> (change to the valid arguments, what the refusal mu
     "topk_weights short": (lambda k: dict(topk_weights=k["topk_weights"][:5]), r"topk_weights must be num_pairs=6 contiguous float32"),
     "ids int64": (lambda k: dict(sorted_token_ids=k["sorted_token_ids"].long()), r"must be int32 \(moe_align_block_size's\)"),
     "expert_ids short": (lambda k: dict(expert_ids=k["expert_ids"][:2]), r"the alignment does not match BLOCK_SIZE_M=16 \(66 sorted ids, 2 expert ids\)"),
-    "kernel name": (lambda k: dict(kernel="tc"), r"kernel must be auto, mma or gemv, got tc"),
+    "kernel name": (lambda k: dict(kernel="tc"), r"kernel must be auto, mma, stream or gemv, got tc"),
+    "stream, 16-pair blocks": (lambda k: dict(kernel="stream", workspace=torch.zeros(9 * 513)), r"kernel=stream takes blocks of at most 8 pairs, got BLOCK_SIZE_M=16"),
+    "stream, no workspace": (lambda k: dict(kernel="stream", block_size_m=8, expert_ids=torch.zeros(8, dtype=torch.int32)), r"kernel=stream needs its workspace \(cuda_ops.stream_workspace\)"),
+    "stream, fp16 workspace": (lambda k: dict(kernel="stream", block_size_m=8, expert_ids=torch.zeros(8, dtype=torch.int32), workspace=torch.zeros(9 * 513).half()), r"the stream workspace must be a contiguous float32 tensor on cpu, got Half on cpu"),
+    "stream, small workspace": (lambda k: dict(kernel="stream", block_size_m=8, expert_ids=torch.zeros(8, dtype=torch.int32), workspace=torch.zeros(8 * 513)), r"the stream workspace holds 4104 floats; one block of 8 warps needs 4617"),
     "qweight odd offset": (lambda k: dict(qweight=_misaligned(k["qweight"], 3)), r"qweight must start on a 16-byte boundary"),
     "scales odd offset, mma": (lambda k: dict(scales=_misaligned(k["scales"], 1)), r"scales and qzeros must start on 4-byte boundaries"),
     "gelu on gemv": (lambda k: dict(activation="gelu", kernel="gemv", c=k["c"][:, :32].contiguous()), r"activation=gelu is fused only in the mma kernel \(K=256, G=8, int4, kernel=gemv\)"),
@@ -240,6 +244,45 @@ def test_the_op_refuses_each_bad_argument_with_its_reason(case):
     change, match = BAD_GEMM_ARGS[case]
     kw.update(change(kw))
     refusal = torch.ops.wna16_plus.check_gemm_args(**kw)
+    assert re.search(match, refusal), f"{case}: {refusal!r}"
+
+
+@needs_extension
+def test_the_op_takes_the_stream_kernel_with_its_workspace():
+    # kernel "stream": blocks of <= 8 pairs and a float32 workspace of at least one block's slots
+    kw = _gemm_args(bm=8)
+    assert torch.ops.wna16_plus.check_gemm_args(**kw, workspace=None) == ""  # not needed by the other kernels
+    kw.update(kernel="stream", workspace=torch.zeros(9 * 513))
+    assert torch.ops.wna16_plus.check_gemm_args(**kw) == ""
+
+
+def _align_args(pairs=24, E=64, bm=8):
+    longest = min(pairs * bm, pairs + E * (bm - 1))
+    return dict(
+        topk_ids=torch.randint(0, E, (pairs // 8, 8), dtype=torch.int32), block_size=bm, num_experts=E,
+        expert_map=None, sorted_token_ids=torch.empty(longest, dtype=torch.int32),
+        expert_ids=torch.empty(-(-longest // bm), dtype=torch.int32), num_tokens_post_padded=torch.empty(1, dtype=torch.int32),
+    )  # fmt: skip
+
+
+BAD_ALIGN_ARGS = {
+    "int64 ids": (lambda k: dict(topk_ids=k["topk_ids"].long()), r"must be contiguous int32 tensors on one device, got Long on cpu"),
+    "block 0": (lambda k: dict(block_size=0), r"block_size=0 is outside \[1, 64\]"),
+    "too many experts": (lambda k: dict(num_experts=5000), r"num_experts=5000 is outside \[1, 4096\]"),
+    "short map": (lambda k: dict(expert_map=torch.zeros(32, dtype=torch.int32)), r"expert_map must be a contiguous int32 \(num_experts=64,\) tensor on cpu, got \[32\] Int"),
+    "short list": (lambda k: dict(sorted_token_ids=k["sorted_token_ids"][:100]), r"sorted_token_ids holds 100 ids; 24 pairs over 64 experts in blocks of 8 may need 192"),
+    "few expert ids": (lambda k: dict(expert_ids=k["expert_ids"][:3]), r"expert_ids must hold one id per block of sorted_token_ids \(24\)"),
+}  # fmt: skip
+
+
+@needs_extension
+@pytest.mark.parametrize("case", list(BAD_ALIGN_ARGS))
+def test_the_alignment_refuses_each_bad_argument_with_its_reason(case):
+    kw = _align_args()
+    assert torch.ops.wna16_plus.check_align_args(**kw) == ""
+    change, match = BAD_ALIGN_ARGS[case]
+    kw.update(change(kw))
+    refusal = torch.ops.wna16_plus.check_align_args(**kw)
     assert re.search(match, refusal), f"{case}: {refusal!r}"
 
 

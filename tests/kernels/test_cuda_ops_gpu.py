@@ -58,21 +58,34 @@ CASES = [
 ]
 
 
+def _layer_kernel(kernel, monkeypatch):
+    """The layer's `kernel` argument for a test's kernel id: "stream" / "tiles" are "auto" with the tensor-core
+    kernel's persistent / tiled form for every decode block (cuda_ops.STREAM_MIN_PAIRS_PER_WARP 0 / STREAM off)."""
+    from vllm_wna16_plugin.kernels import cuda_ops
+
+    monkeypatch.setattr(cuda_ops, "STREAM", kernel != "tiles")
+    if kernel == "stream":
+        monkeypatch.setattr(cuda_ops, "STREAM_MIN_PAIRS_PER_WARP", 0)
+    return "auto" if kernel in ("stream", "tiles") else kernel
+
+
 # "auto": the tensor-core kernel wherever rows split into 16-byte chunks inside a group (K=176 and K=200
-# do not: their GEMM falls back to the CUDA-core kernel); "gemv": the CUDA-core kernel everywhere
-@pytest.mark.parametrize("kernel", ["auto", "gemv"])
+# do not: their GEMM falls back to the CUDA-core kernel), its persistent or tiled form by the work per warp;
+# "stream" / "tiles": that form for every block of <= 8 pairs (every case: cuda_ops.MAX_BLOCK_M);
+# "gemv": the CUDA-core kernel everywhere
+@pytest.mark.parametrize("kernel", ["auto", "stream", "tiles", "gemv"])
 @pytest.mark.parametrize("M, H, I, E, top_k, bits, gs1, gs2, zp, dtype", CASES)
-def test_cuda_layer_matches_reference(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype, kernel):  # noqa: E741
+def test_cuda_layer_matches_reference(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype, kernel, monkeypatch):  # noqa: E741
     p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype, seed=M)
     args, kw = _cuda(p)
-    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), kernel=kernel)
+    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), kernel=_layer_kernel(kernel, monkeypatch))
     ref = fused_moe_wna16_ref(*args, **kw)
     assert_close_scaled(out.cpu(), ref.cpu(), dtype, f"cuda layer ({kernel})")
 
 
-@pytest.mark.parametrize("kernel", ["auto", "gemv"])
+@pytest.mark.parametrize("kernel", ["stream", "tiles", "gemv"])
 @pytest.mark.parametrize("M, H, I, E, top_k, bits, gs1, gs2, zp, dtype", CASES[:6])
-def test_group_major_scales_and_zero_points(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype, kernel):  # noqa: E741
+def test_group_major_scales_and_zero_points(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype, kernel, monkeypatch):  # noqa: E741
     # the layout the cuda backend prepares (cuda_ops.group_major): same values, each group's rows adjacent
     from vllm_wna16_plugin.kernels.cuda_ops import group_major
 
@@ -81,28 +94,34 @@ def test_group_major_scales_and_zero_points(M, H, I, E, top_k, bits, gs1, gs2, z
     ref = fused_moe_wna16_ref(*args, **kw)
     args[3], args[4] = group_major(args[3]), group_major(args[4])
     kw.update(w13_qzeros=group_major(kw.get("w13_qzeros")), w2_qzeros=group_major(kw.get("w2_qzeros")))
-    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), kernel=kernel)
+    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), kernel=_layer_kernel(kernel, monkeypatch))
     assert_close_scaled(out.cpu(), ref.cpu(), dtype, f"cuda layer, group-major tables ({kernel})")
 
 
-@pytest.mark.parametrize("kernel", ["auto", "gemv"])  # the activation fused in the mma kernel, or apart
-def test_gelu_gated_activation(kernel):
+# the activation fused in the tensor-core kernel (both forms), or apart
+@pytest.mark.parametrize("kernel", ["stream", "tiles", "gemv"])
+def test_gelu_gated_activation(kernel, monkeypatch):
     p = make_moe_problem(M=5, H=1024, I=384, E=8, top_k=2, bits=4, gs1=64, zp=True, seed=21)
     args, kw = _cuda(p)
-    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), activation="gelu", kernel=kernel)
+    out = fused_moe_wna16_cuda(
+        *args, **kw, align_fn=_align(), activation="gelu", kernel=_layer_kernel(kernel, monkeypatch)
+    )
     ref = fused_moe_wna16_ref(*args, **kw, activation="gelu")
     assert_close_scaled(out.cpu(), ref.cpu(), BF16, f"gelu ({kernel})")
 
 
-def test_expert_map_and_router_weight_on_input():
+@pytest.mark.parametrize("kernel", ["stream", "tiles"])
+def test_expert_map_and_router_weight_on_input(kernel, monkeypatch):
     p = make_moe_problem(M=6, H=512, I=128, E=4, top_k=1, bits=4, gs1=32, zp=True, num_global_experts=8, seed=3)
     args, kw = _cuda(p)
+    kw["kernel"] = _layer_kernel(kernel, monkeypatch)
     expert_map = torch.full((8,), -1, dtype=torch.int32, device="cuda")
     expert_map[torch.tensor([1, 2, 5, 6])] = torch.arange(4, dtype=torch.int32, device="cuda")
     for on_input in (False, True):
         out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), expert_map=expert_map,
                                    apply_router_weight_on_input=on_input)  # fmt: skip
-        ref = fused_moe_wna16_ref(*args, **kw, expert_map=expert_map, apply_router_weight_on_input=on_input)
+        ref = fused_moe_wna16_ref(*args, **{k: v for k, v in kw.items() if k != "kernel"}, expert_map=expert_map,
+                                  apply_router_weight_on_input=on_input)  # fmt: skip
         assert_close_scaled(out.cpu(), ref.cpu(), BF16, f"expert_map, weight on input={on_input}")
 
 
@@ -122,15 +141,19 @@ def _check_one_gemm(E, N, K, M, top_k, bits, gs, zp, dtype, cfg, kernel, seed):
     pairs = torch.arange(M * top_k, device="cuda")
     ref = torch.einsum("pk,pnk->pn", a.float()[pairs // top_k], w[ids.reshape(-1).long()]) * weights[:, None]
     assert_close_scaled(c.cpu(), ref.cpu(), dtype, f"{kernel} BLOCK {cfg.block_size_m}x{cfg.block_size_n}, N={N} K={K}")
+    return c
 
 
-@pytest.mark.parametrize("kernel", ["mma", "gemv"])
+@pytest.mark.parametrize("kernel", ["mma", "stream", "gemv"])
 @pytest.mark.parametrize("block_m", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("block_n", [32, 128, 256, 1024])
 @pytest.mark.parametrize("bits,gs,block_k", [(4, 32, 256), (4, 128, 128), (8, -1, 64)])
 def test_every_config_kind_computes_the_gemm(block_m, block_n, bits, gs, block_k, kernel):
     # one GEMM (N=1536, K=1024) under each BLOCK_SIZE_M / BLOCK_SIZE_N the module can produce
     from vllm_wna16_plugin.block_config import BlockConfig
+
+    if kernel == "stream" and (block_m > 8 or block_n != 32):
+        pytest.skip("the stream kernel takes blocks of <= 8 pairs and ignores BLOCK_SIZE_N")
 
     cfg = BlockConfig(block_m, block_n, block_k, 1024, 32 if gs == -1 else gs)
     _check_one_gemm(16, 1536, 1024, 9, 4, bits, gs, True, BF16, cfg, kernel, seed=block_m * 7 + block_n)
@@ -154,6 +177,80 @@ def test_mma_kernel_tails_and_work_splits(N, K, bits, gs, zp, dtype, block_m, bl
     _check_one_gemm(8, N, K, M, 2, bits, gs, zp, dtype, cfg, "mma", seed=N + K + block_m)
 
 
+@pytest.mark.parametrize(
+    "N, K, bits, gs, zp, dtype, block_m, M, slots",
+    [
+        (64, 4096, 4, 128, False, BF16, 2, 3, None),  # 2 units of 16 pairs per expert: most split across warps
+        (200, 1344, 4, 32, True, FP16, 1, 5, None),  # a half unit at N's end, K a half pair (42 chunks)
+        (96, 704, 8, -1, True, BF16, 8, 20, 9),  # one block: 8 warps cross many units; int8 channel-wise
+        (520, 2048, 4, 64, True, BF16, 4, 11, 17),  # two blocks (16 warps), gs64 (groups shorter than a step)
+        (48, 256, 4, 128, False, FP16, 8, 64, None),  # K = one pair: a warp's range is whole units or a pair
+    ],
+)
+def test_stream_kernel_splits_units_between_warps_and_resets_its_counters(N, K, bits, gs, zp, dtype, block_m, M,
+                                                                        slots, monkeypatch):  # fmt: skip
+    # stream-K: units split between warps meet in the workspace; `slots` limits the grid ((slots - 1) // 8 blocks)
+    from vllm_wna16_plugin.block_config import BlockConfig
+    from vllm_wna16_plugin.kernels import cuda_ops
+
+    workspace = torch.zeros((slots or 2 * 132 * 8 + 1) * cuda_ops.STREAM_SLOT_WORDS, device="cuda")
+    monkeypatch.setattr(cuda_ops, "stream_workspace", lambda device: workspace)
+    cfg = BlockConfig(block_m, 32, K if gs == -1 else gs, K, K if gs == -1 else gs)
+    for seed in range(2):  # a second launch on the workspace the first one left
+        c = _check_one_gemm(8, N, K, M, 2, bits, gs, zp, dtype, cfg, "stream", seed=N + K + seed)
+        again = _check_one_gemm(8, N, K, M, 2, bits, gs, zp, dtype, cfg, "stream", seed=N + K + seed)
+        assert torch.equal(c, again), "split units are summed in warp order: the same bits every launch"
+        torch.cuda.synchronize()
+        slots = workspace.numel() // cuda_ops.STREAM_SLOT_WORDS
+        counters = workspace[slots * (cuda_ops.STREAM_SLOT_WORDS - 1) :]  # after the partial sums
+        assert int(torch.count_nonzero(counters)) == 0, "the stream kernel left a unit's counter set"
+
+
+def test_stream_kernel_refuses_blocks_of_more_than_8_pairs_and_a_missing_workspace():
+    from vllm_wna16_plugin.block_config import BlockConfig
+
+    with pytest.raises(RuntimeError, match="kernel=stream takes blocks of at most 8 pairs"):
+        _check_one_gemm(4, 64, 512, 20, 2, 4, 128, False, BF16, BlockConfig(16, 32, 128, 512, 128), "stream", seed=0)
+    a = torch.zeros(2, 512, dtype=BF16, device="cuda")
+    ids = torch.zeros(8, dtype=torch.int32, device="cuda")
+    refusal = torch.ops.wna16_plus.moe_wna16_gemm(
+        a, torch.zeros(4, 64, 256, dtype=torch.uint8, device="cuda"), torch.ones(4, 64, 4, dtype=BF16, device="cuda"),
+        None, None, ids, ids, ids[:1], torch.empty(2, 64, dtype=BF16, device="cuda"), 4, 1, 2, 32, 128, "stream", "none",
+    )  # fmt: skip
+    assert "kernel=stream needs its workspace" in refusal
+
+
+@pytest.mark.parametrize("E, block_m", [(8, 1), (8, 8), (64, 2), (64, 8), (128, 4), (256, 16), (60, 8)])
+@pytest.mark.parametrize("M", [1, 3, 16, 300])
+@pytest.mark.parametrize("with_map", [False, True])
+def test_own_alignment_matches_vllms(E, block_m, M, with_map):
+    # csrc/moe_align.cu against vLLM's moe_align_block_size: the same padded total, the same expert per
+    # block, and per expert the same pairs (their order within an expert is the atomics' and free)
+    from vllm_wna16_plugin.kernels.cuda_ops import align_block_size
+
+    gen = torch.Generator().manual_seed(E * 1000 + M * 10 + block_m)
+    top_k = min(8, E)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(M)]).to(torch.int32).cuda()
+    expert_map = None
+    if with_map:  # this rank holds every other expert, in a shuffled local order
+        local = torch.randperm(E // 2, generator=gen).to(torch.int32)
+        expert_map = torch.full((E,), -1, dtype=torch.int32)
+        expert_map[::2] = local
+        expert_map = expert_map.cuda()
+    ours = align_block_size(ids, block_m, E, expert_map, align_fn=None)
+    theirs = _align()(ids, block_m, E, expert_map, ignore_invalid_experts=True)
+    total = int(ours[2][0])
+    assert total == int(theirs[2][0]) and total % block_m == 0
+    blocks = total // block_m
+    assert torch.equal(ours[1][:blocks].cpu(), theirs[1][:blocks].cpu()), "expert of each block"
+    assert (ours[1][blocks:].cpu() == -1).all()
+    mine, vllm = ours[0][:total].cpu().view(blocks, block_m), theirs[0][:total].cpu().view(blocks, block_m)
+    for e in ours[1][:blocks].unique().tolist():
+        rows = (ours[1][:blocks] == e).cpu()
+        assert torch.equal(mine[rows].flatten().sort().values, vllm[rows].flatten().sort().values), f"expert {e}"
+    assert (ours[0][total:].cpu() == M * top_k).all(), "the list past the padded total is padding"
+
+
 def test_mma_kernel_is_refused_where_chunks_straddle():
     from vllm_wna16_plugin.block_config import BlockConfig
 
@@ -162,14 +259,15 @@ def test_mma_kernel_is_refused_where_chunks_straddle():
         _check_one_gemm(4, 64, 176, 2, 2, 4, -1, False, BF16, cfg, "mma", seed=0)
 
 
-def test_decode_step_captures_in_a_cuda_graph():
+@pytest.mark.parametrize("kernel", ["stream", "tiles"])
+def test_decode_step_captures_in_a_cuda_graph(kernel, monkeypatch):
     p = make_moe_problem(M=4, H=2048, I=512, E=32, top_k=8, bits=4, gs1=32, seed=11)
     args, kw = _cuda(p)
-    align = _align()
-    fused_moe_wna16_cuda(*args, **kw, align_fn=align)  # warm up
+    align, kernel = _align(), _layer_kernel(kernel, monkeypatch)
+    fused_moe_wna16_cuda(*args, **kw, align_fn=align, kernel=kernel)  # warm up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe_wna16_cuda(*args, **kw, align_fn=align)
+        out = fused_moe_wna16_cuda(*args, **kw, align_fn=align, kernel=kernel)
     args[0].copy_(torch.randn_like(args[0]))
     graph.replay()
     torch.cuda.synchronize()
@@ -194,11 +292,13 @@ SANITIZED = textwrap.dedent(
     import torch
     from tests.kernels.conftest import make_moe_problem
     from vllm_wna16_plugin import _vllm
+    from vllm_wna16_plugin.kernels import cuda_ops
     from vllm_wna16_plugin.kernels.cuda_ops import fused_moe_wna16_cuda
+    cuda_ops.STREAM_MIN_PAIRS_PER_WARP = 0  # "auto" runs the stream kernel
     p = make_moe_problem(M=3, H=1344, I=256, E=8, top_k=2, bits=4, gs1=32, zp=True, seed=1)
     args = [t.cuda() for t in p.args()]
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in p.kwargs().items()}
-    for kernel in ("mma", "gemv"):
+    for kernel in ("auto", "mma", "gemv"):  # auto: the stream kernel (blocks of <= 8 pairs), the own alignment
         fused_moe_wna16_cuda(*args, **kw, align_fn=_vllm.moe_align_block_size_fn(), kernel=kernel)
     torch.cuda.synchronize()
     """

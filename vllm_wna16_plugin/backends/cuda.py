@@ -97,6 +97,10 @@ class CudaBackend(Backend):
         ranges = (
             None if problem.extra.get("explicit") else crossover.cuda_m_ranges(layer_key(problem), device_name(problem))
         )
+        from vllm_wna16_plugin.kernels.cuda_ops import stream_workspace
+
+        if tensors.w13_qweight.is_cuda:
+            stream_workspace(tensors.w13_qweight.device)  # allocated here, before any CUDA-graph capture
         return CudaState(tensors, ranges, cuda_layout(tensors))
 
     def run(self, problem: MoEProblem, state: CudaState, x, topk_weights, topk_ids, *, expert_map=None):

@@ -3,9 +3,10 @@
 `extension_error()` says why the compiled extension is unusable (None when it loads).
 `launch_config_error(...)` asks the compiled launch rules (csrc/launch_rules.h) whether the kernel
 takes a config; it needs no GPU. `fused_moe_wna16_cuda(...)` runs one MoE layer: the token
-alignment (vLLM's moe_align_block_size, passed in as align_fn), the CUDA GEMM for gate/up with the
-gated activation fused (tensor-core kernel; else a separate Triton activation), the CUDA GEMM for
-down with the router weights, and the Triton top-k sum. No vLLM import here.
+alignment (the plugin's one-block kernel for decode batches, else vLLM's moe_align_block_size,
+passed in as align_fn), the CUDA GEMM for gate/up with the gated activation fused (tensor-core
+kernel; else a separate Triton activation), the CUDA GEMM for down with the router weights, and
+the Triton top-k sum. No vLLM import here.
 """
 
 from __future__ import annotations
@@ -88,6 +89,92 @@ MIN_BLOCKS = 132 // 2
 MAX_BLOCK_M = 8
 
 
+# Whether the layer runs its decode GEMMs (blocks of <= 8 tokens) on the persistent form of the tensor-core
+# kernel (csrc/moe_wna16_stream.cu, kernel "stream"): every warp streams one contiguous range of the
+# (expert block, 32 weight rows, K) work, so no block is mostly pipeline fill and the grid has no partial
+# wave. False: the tiled kernel with gemm_config's BLOCK_SIZE_N (bench_moe.py's plugin-cuda-tiles).
+STREAM = True
+# ... where GEMM1 gives each warp of the stream grid (two blocks of 8 warps per SM) at least this many pairs
+# of K steps: below it the tiled kernel's in-block K split is cheaper than units split between warps. H200,
+# 2026-12-04-stream2 (both forms side by side, layer time stream / tiled): 0.87-0.94 from 6.5 pairs per warp
+# on the small-expert shapes (channel-wise M >= 4, DeepSeek-V2-Lite / Qwen3 M >= 8), 0.89-1.00 on Mixtral
+# (13.6 and up), but 1.03-1.41 below 6.7 (M <= 4 of the small-expert shapes, every M of K=1344).
+STREAM_MIN_PAIRS_PER_WARP = 6
+
+# Per warp of the stream kernel's workspace: two float32 partial sums of a unit and an int32 counter
+# (csrc/launch_rules.h kStreamSlotWords); a launch uses at most two blocks of 8 warps per SM, one slot each,
+# plus one.
+STREAM_SLOT_WORDS = 513
+_workspaces: dict[int, torch.Tensor] = {}
+
+
+def stream_workspace(device: torch.device) -> torch.Tensor:
+    """The stream kernel's workspace on `device`: created zero (its counters must be; every launch leaves
+    them zero), once per device, on first use (the backend's prepare, outside any CUDA-graph capture). The
+    launches that share it must not overlap: one stream per device, as vLLM runs its MoE layers."""
+    index = torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _workspaces:
+        sms = torch.cuda.get_device_properties(index).multi_processor_count
+        slots = 2 * sms * 8 + 1
+        _workspaces[index] = torch.zeros(slots * STREAM_SLOT_WORDS, dtype=torch.float32, device=f"cuda:{index}")
+    return _workspaces[index]
+
+
+# Whether the layer aligns decode batches (at most ALIGN_MAX_PAIRS routed pairs) with the plugin's one-block
+# alignment (csrc/moe_align.cu) instead of vLLM's moe_align_block_size (bench_moe.py's plugin-cuda-vllm-align):
+# H200, 2026-12-04-stream1: vLLM's took 9 µs of DeepSeek-V2-Lite's layer at M=8 (64 experts).
+OWN_ALIGN = True
+ALIGN_MAX_PAIRS = 4096
+
+
+def align_block_size(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None, align_fn: AlignFn
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's moe_align_block_size(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts=True):
+    (sorted_token_ids, expert_ids, num_tokens_post_padded), the plugin's own kernel for decode batches of
+    int32 ids, else align_fn (vLLM's). The lists are as long as vLLM makes them."""
+    pairs = topk_ids.numel()
+    own = OWN_ALIGN and topk_ids.dtype == torch.int32 and pairs <= ALIGN_MAX_PAIRS and num_experts <= 4096
+    if not own:
+        return align_fn(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts=True)
+    longest = min(pairs * block_size, pairs + num_experts * (block_size - 1))
+    sorted_ids = torch.empty(longest, dtype=torch.int32, device=topk_ids.device)
+    expert_ids = torch.empty(-(-longest // block_size), dtype=torch.int32, device=topk_ids.device)
+    num_post_pad = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
+    refusal = torch.ops.wna16_plus.moe_align_block_size(
+        topk_ids.contiguous(), block_size, num_experts, expert_map, sorted_ids, expert_ids, num_post_pad
+    )
+    if refusal:
+        raise RuntimeError(f"wna16_plus::moe_align_block_size: {refusal}")
+    return sorted_ids, expert_ids, num_post_pad
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def expected_blocks(m: int, top_k: int, num_experts: int, block_m: int) -> float:
+    """Expert blocks of block_m pairs the alignment is expected to make for m tokens (uniform routing)."""
+    from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
+
+    pairs = m * top_k
+    hit = expected_experts_hit(pairs, num_experts)
+    return pairs if block_m == 1 else hit * math.ceil(pairs / hit / block_m)
+
+
+def stream_pairs_per_warp(
+    m: int, top_k: int, num_experts: int, size_k: int, out_n: int, bits: int, gated: bool, block_m: int, sms: int
+) -> float:
+    """Pairs of K steps (128 bytes of 32 weight rows) each warp of the stream kernel's grid (2 blocks of 8
+    warps per SM) is expected to stream for one GEMM: the kernel's split of the work, mirrored."""
+    units = -(-out_n // (16 if gated else 32))
+    k_pairs = math.ceil(math.ceil(size_k * bits / 128) / 8)
+    return expected_blocks(m, top_k, num_experts, block_m) * units * k_pairs / (16 * sms)
+
+
 def warp_k_steps(size_k: int, bits: int, block_m: int, block_n: int, gated: bool) -> int:
     """K steps (4 chunks of 16 bytes of a weight row) each warp of the mma kernel streams for one block:
     the kernel's own work split (csrc/moe_wna16_mma.cu), mirrored. A 16-row tile is 16 output columns
@@ -110,14 +197,10 @@ def gemm_config(
     has MIN_BLOCKS, each warp keeps at least MIN_WARP_STEPS K steps. The kernel takes any BLOCK_SIZE_N, so the smaller tile
     stays legal; decode grids are otherwise a few dozen blocks. size_n: output columns (I when the
     activation is fused, gated)."""
-    from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
-
     # channel-wise is one group of K: legal for any K % 8 == 0 (K=176 is 704 at TP4), unlike vLLM's kernel
     cfg = choose_cuda_block_config(m, top_k, num_experts, size_k, size_n, size_k // num_groups, bits)
     bm = min(cfg.block_size_m, MAX_BLOCK_M)
-    pairs = m * top_k
-    hit = expected_experts_hit(pairs, num_experts)
-    m_blocks = pairs if bm == 1 else hit * math.ceil(pairs / hit / bm)
+    m_blocks = expected_blocks(m, top_k, num_experts, bm)
     bn = cfg.block_size_n
     while bn > 16 and (blocks := m_blocks * -(-size_n // bn)) < MIN_CTAS:
         if blocks >= MIN_BLOCKS and warp_k_steps(size_k, bits, bm, bn // 2, gated) < MIN_WARP_STEPS:
@@ -146,13 +229,16 @@ def invoke_moe_wna16_gemm(
     """One grouped GEMM on torch.ops.wna16_plus.moe_wna16_gemm; the op checks every argument first.
 
     kernel: "auto" (the tensor-core kernel wherever a weight row splits into 16-byte chunks inside
-    one scale group, else the CUDA-core one), or "mma" / "gemv" to force one (tests, benchmarks).
+    one scale group, else the CUDA-core one), or "mma" / "gemv" to force one (tests, benchmarks), or
+    "stream": the tensor-core kernel's persistent form (BLOCK_SIZE_M <= 8; BLOCK_SIZE_N unused), on
+    stream_workspace(a.device).
     activation: "silu" / "gelu" fuses the gated activation (mma kernel only): rows n and N/2 + n of
     qweight are gate and up of output column n, and c is (num_pairs, N/2)."""
     # the op returns its refusal instead of throwing (no C++ exception leaves the library; csrc/moe_wna16_gemm.cu)
     refusal = torch.ops.wna16_plus.moe_wna16_gemm(
         a, qweight, scales, qzeros, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, c,
         bits, top_k, config.block_size_m, config.block_size_n, config.block_size_k, kernel, activation,
+        stream_workspace(a.device) if kernel == "stream" else None,
     )  # fmt: skip
     if refusal:
         raise RuntimeError(f"wna16_plus::moe_wna16_gemm: {refusal}")
@@ -190,7 +276,8 @@ def fused_moe_wna16_cuda(
     """out[t] = sum_j w[t,j] * W2[e] @ act(W13[e] @ x[t]), e = topk_ids[t,j]; the reference's contract.
 
     align_fn: vLLM's moe_align_block_size(topk_ids, block_size, num_experts, expert_map,
-    ignore_invalid_experts=True). Both GEMMs share one alignment (the same BLOCK_SIZE_M).
+    ignore_invalid_experts=True), for batches the plugin's own alignment does not take (align_block_size).
+    Both GEMMs share one alignment (the same BLOCK_SIZE_M).
     kernel: see invoke_moe_wna16_gemm.
     """
     from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton, moe_sum_triton
@@ -212,8 +299,8 @@ def fused_moe_wna16_cuda(
     cfg2 = gemm_config(m, top_k, num_experts, inter, hidden, w2_scales.shape[-1], bits)
     if cfg2.block_size_m != cfg1.block_size_m:  # one alignment for both GEMMs
         cfg2 = BlockConfig(cfg1.block_size_m, cfg2.block_size_n, cfg2.block_size_k, cfg2.size_k, cfg2.group_size)
-    sorted_ids, expert_ids, num_post_pad = align_fn(
-        topk_ids, cfg1.block_size_m, global_num_experts, expert_map, ignore_invalid_experts=True
+    sorted_ids, expert_ids, num_post_pad = align_block_size(
+        topk_ids, cfg1.block_size_m, global_num_experts, expert_map, align_fn
     )
     # the kernel reads A rows in 16-byte vectors: a fresh copy when x's rows are not 16-byte aligned
     a = (
@@ -224,20 +311,32 @@ def fused_moe_wna16_cuda(
     weights = topk_weights.reshape(-1).float()
     if apply_router_weight_on_input:
         a = (a.float() * topk_weights.float().reshape(m, 1)).to(x.dtype)  # top_k == 1 (checked by the caller)
+    # "auto": decode blocks on the persistent tensor-core kernel wherever a GEMM fits the tensor-core kernel,
+    # when the layer gives its warps enough work
+    streams = (
+        kernel == "auto"
+        and STREAM
+        and cfg1.block_size_m <= 8
+        and stream_pairs_per_warp(m, top_k, num_experts, hidden, inter if fuse else two_i, bits, fuse,
+                                  cfg1.block_size_m, _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())) >= STREAM_MIN_PAIRS_PER_WARP
+    )  # fmt: skip
+    kernel1 = "stream" if streams and fuse else kernel
+    kernel2 = "stream" if streams and torch.ops.wna16_plus.mma_kernel_fits(inter, w2_scales.shape[-1], bits) else kernel
     gemm = functools.partial(invoke_moe_wna16_gemm, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
-                             num_tokens_post_padded=num_post_pad, bits=bits, kernel=kernel)  # fmt: skip
+                             num_tokens_post_padded=num_post_pad, bits=bits)  # fmt: skip
     if fuse:
         act = torch.empty(m * top_k, inter, dtype=x.dtype, device=x.device)
-        gemm(a, w13_qweight, w13_scales, w13_qzeros, act, None, top_k=top_k, config=cfg1, activation=activation)
+        gemm(a, w13_qweight, w13_scales, w13_qzeros, act, None, top_k=top_k, config=cfg1, activation=activation,
+             kernel=kernel1)  # fmt: skip
     else:
         h1 = torch.empty(m * top_k, two_i, dtype=x.dtype, device=x.device)
-        gemm(a, w13_qweight, w13_scales, w13_qzeros, h1, None, top_k=top_k, config=cfg1)
+        gemm(a, w13_qweight, w13_scales, w13_qzeros, h1, None, top_k=top_k, config=cfg1, kernel=kernel1)
         act = gated_activation_triton(h1, activation)
     # rows of pairs the alignment skips (experts of other ranks, with an expert_map) stay unwritten in
     # act and h2; their h2 rows must add 0 in the top-k sum, so h2 then starts as zeros
     h2 = (torch.empty if expert_map is None else torch.zeros)(m * top_k, hidden, dtype=x.dtype, device=x.device)
     gemm(act, w2_qweight, w2_scales, w2_qzeros, h2, None if apply_router_weight_on_input else weights,
-         top_k=1, config=cfg2)  # fmt: skip
+         top_k=1, config=cfg2, kernel=kernel2)  # fmt: skip
     return moe_sum_triton(h2, out, top_k)
 
 
@@ -247,5 +346,7 @@ __all__ = [
     "gemm_config",
     "group_major",
     "invoke_moe_wna16_gemm",
+    "align_block_size",
     "launch_config_error",
+    "stream_workspace",
 ]

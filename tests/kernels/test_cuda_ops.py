@@ -10,10 +10,12 @@ tests/kernels/test_cuda_ops_gpu.py.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import itertools
 import re
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -284,6 +286,34 @@ def test_the_alignment_refuses_each_bad_argument_with_its_reason(case):
     kw.update(change(kw))
     refusal = torch.ops.wna16_plus.check_align_args(**kw)
     assert re.search(match, refusal), f"{case}: {refusal!r}"
+
+
+# bench_moe.py's shapes: (E, top_k, H, I)
+BENCH_SHAPES = {
+    "qwen3-30b-a3b": (128, 8, 2048, 768), "qwen3.5-35b-a3b": (256, 8, 2048, 512), "mixtral-8x7b": (8, 2, 4096, 14336),
+    "deepseek-v2-lite": (64, 6, 2048, 1408), "ct-channelwise": (128, 8, 2816, 704), "k1344-gs32": (8, 2, 1344, 1024),
+}  # fmt: skip
+
+
+def test_the_stream_rule_keeps_the_faster_form_of_its_measured_run():
+    # cuda_ops picks the stream kernel by GEMM1's expected pairs per warp (STREAM_MIN_PAIRS_PER_WARP). The run
+    # it was read from timed both forms at every point (H200, 132 SMs): plugin-cuda ran the stream kernel for
+    # every decode block, plugin-cuda-tiles the tiled one. The rule's pick is within 5% of the faster there.
+    from vllm_wna16_plugin.kernels import cuda_ops
+
+    root = Path(__file__).resolve().parents[2]
+    times: dict[tuple[str, int], dict[str, float]] = {}
+    with open(root / "bench/results/h200/2026-12-04-stream2.csv") as f:
+        for r in csv.DictReader(f):
+            if r["provider"] in ("plugin-cuda", "plugin-cuda-tiles") and r["median_us"]:
+                times.setdefault((r["shape"], int(r["M"])), {})[r["provider"]] = float(r["median_us"])
+    assert len(times) == 42
+    for (shape, m), t in sorted(times.items()):
+        E, top_k, H, I = BENCH_SHAPES[shape]  # noqa: N806, E741
+        bm = cuda_ops.gemm_config(m, top_k, E, H, I, 16, 4, gated=True).block_size_m
+        per_warp = cuda_ops.stream_pairs_per_warp(m, top_k, E, H, I, 4, True, bm, sms=132)
+        picked = t["plugin-cuda"] if per_warp >= cuda_ops.STREAM_MIN_PAIRS_PER_WARP else t["plugin-cuda-tiles"]
+        assert picked <= 1.05 * min(t.values()), f"{shape} M={m}: {per_warp:.1f} pairs per warp, {t}"
 
 
 @needs_extension

@@ -95,8 +95,17 @@ def measure_copy_bandwidth() -> float:
     return 2 * (1 << 30) / statistics.median(times)
 
 
+# Cycles of a sleep kernel queued ahead of each timed graph replay (about 50 µs on an H200), so that the
+# GPU is still busy while the host submits the graph: the replay's start event then runs right before the
+# graph's first kernel, and the time is the graph's alone. Without it, a graph of one layer call (Mixtral,
+# whose 150 MB of L2-cold weights need one copy) also counted the host's graph launch, a gap no layer of a
+# served model pays (vLLM replays one graph for all layers of a step). 0: the old timing (--launch-gap).
+QUEUE_AHEAD_CYCLES = 100_000
+
+
 def time_graph(fn_list, reps: int) -> tuple[float, float, float]:
-    """Median/p20/p80 µs per call of a graph that calls every fn in fn_list once."""
+    """Median/p20/p80 µs per call of a graph that calls every fn in fn_list once (device time of the replay:
+    see QUEUE_AHEAD_CYCLES)."""
     for fn in fn_list:  # warm up / compile outside capture
         fn()
     torch.cuda.synchronize()
@@ -115,6 +124,8 @@ def time_graph(fn_list, reps: int) -> tuple[float, float, float]:
     times = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if QUEUE_AHEAD_CYCLES:
+            torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
         e0.record()
         graph.replay()
         e1.record()
@@ -279,6 +290,12 @@ def main() -> int:
         "vLLM's fused_experts on the dequantized weights",
     )
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument(
+        "--launch-gap",
+        action="store_true",
+        help="time each replay from an idle GPU, the host's graph launch included (the timing before 2026-12-04's "
+        "stream4 run; see QUEUE_AHEAD_CYCLES)",
+    )
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "h200"))
     ap.add_argument("--tag", default="")
     ap.add_argument(
@@ -297,7 +314,9 @@ def main() -> int:
         help="tuned Triton configs for the plugin-triton-alt provider (e.g. a tune.py --out copy)",
     )
     args = ap.parse_args()
-    global ALT_CONFIG_DIR
+    global ALT_CONFIG_DIR, QUEUE_AHEAD_CYCLES
+    if args.launch_gap:
+        QUEUE_AHEAD_CYCLES = 0
     ALT_CONFIG_DIR = Path(args.alt_config_dir) if args.alt_config_dir else None
 
     torch.manual_seed(0)
@@ -314,7 +333,8 @@ def main() -> int:
         f"# WNA16 MoE layer benchmark\n\n{datetime.date.today()} · {dev} · torch {torch.__version__} · "
         f"triton {triton.__version__} · vLLM {vllm_pkg.__version__} · commit {git_commit()}{args.tag}\n\n"
         f"Measured device copy bandwidth: {bw / 1e12:.2f} TB/s (read+write). CUDA-graph replay of R calls over "
-        f"R rotating weight copies (L2-cold), median of {args.reps} replays, µs per layer call. "
+        f"R rotating weight copies (L2-cold), median of {args.reps} replays, µs per layer call"
+        f"{', host launch included' if args.launch_gap else ' (GPU kept busy while the host launches the graph)'}. "
         f"'%bw' = weight bytes of the experts hit / time / copy bandwidth. int4, bf16 activations.\n"
     )
     print(header, flush=True)

@@ -10,6 +10,7 @@
 #   bash bench/gpu_session.sh probe inspect               # CUDA op refusals; vLLM's inspection subprocess
 #   bash bench/gpu_session.sh e2e-bench                   # bench/e2e.py (offline throughput)
 #   BREAKDOWN_ARGS='--m 2,8' bash bench/gpu_session.sh breakdown   # kernel times of a layer call
+#   FLOOR_ARGS='--experts 2,8' bash bench/gpu_session.sh floor      # the read floor of a call's bytes
 # The lent machine's copy of the tree has no .git: BENCH_COMMIT names the commit in result files.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -52,7 +53,7 @@ for step in "$@"; do
     # every GEMM launch of profile_kernels.py's providers (3 x --iters 3 x 2 GEMMs), matched on the base
     # function name: vLLM's Marlin MoE kernel is `Marlin`, its weight repack (not wanted) `gptq_marlin_repack_kernel`
     profile) ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null) || { echo "no ncu on this machine"; continue; }
-             timeout ${PROFILE_TIMEOUT:-300} "$ncu" --kernel-name regex:'moe_wna16_mma|moe_wna16_gemv|_fused_moe_wna16|^Marlin' --launch-skip 0 --launch-count ${PROFILE_LAUNCHES:-18} \
+             timeout ${PROFILE_TIMEOUT:-300} "$ncu" --kernel-name regex:'moe_wna16_mma|moe_wna16_stream|moe_wna16_gemv|_fused_moe_wna16|^Marlin' --launch-skip 0 --launch-count ${PROFILE_LAUNCHES:-18} \
                --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
                --section Occupancy --section LaunchStats ${PROFILE_SECTIONS:-} python3 bench/profile_kernels.py ${PROFILE_ARGS:-} 2>&1 \
                | grep --line-buffered -v "^INFO\|^WARNING" | tee "$OUT/profile.log" | tail -60 ;;
@@ -93,6 +94,9 @@ for step in "$@"; do
     # each kernel's device time in a layer call, beside the call's graph time (bench/kernel_breakdown.py)
     breakdown) timeout ${BREAKDOWN_TIMEOUT:-240} python3 bench/kernel_breakdown.py --out "$OUT/res" ${BREAKDOWN_ARGS:-} 2>&1 \
                  | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/breakdown.log" | tail -40 ;;
+    # how fast the device streams a layer call's weight bytes at all (bench/read_floor.py)
+    floor) timeout ${FLOOR_TIMEOUT:-180} python3 bench/read_floor.py --out "$OUT/res" ${FLOOR_ARGS:-} 2>&1 \
+             | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/floor.log" | tail -30 ;;
     # a second bench step in one call gets its own log (the first is not overwritten)
     bench) log="$OUT/bench.log"; [ -e "$log" ] && log="$OUT/bench-at-${SECONDS}s.log"
            timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$log" | tail -70

@@ -49,6 +49,11 @@ CASES = [
     pytest.param(5, 1344, 1024, 8, 2, 4, 32, 32, True, BF16, id="gs32-k1344-zp"),  # vLLM's ratio-3 crash
     pytest.param(3, 2048, 96, 16, 8, 4, 128, 32, False, FP16, id="k96-tp8-fp16"),
     pytest.param(16, 2816, 352, 16, 8, 4, -1, -1, False, BF16, id="channelwise-352"),
+    # bf16 int4 with whole-step groups or channel-wise, symmetric and with zero points; K=384 (GEMM2) ends in
+    # a half pair (12 chunks), K=288 one chunk into its second pair
+    pytest.param(4, 1024, 384, 16, 4, 4, 128, 128, False, BF16, id="gs128-sym-bf16-k384"),
+    pytest.param(3, 768, 512, 8, 2, 4, 128, 128, True, BF16, id="gs128-zp-bf16"),
+    pytest.param(6, 1024, 288, 8, 2, 4, -1, -1, True, BF16, id="channelwise-zp-bf16-k288"),
     pytest.param(64, 1024, 512, 8, 2, 8, 128, 128, True, BF16, id="int8-gs128-zp"),
     pytest.param(7, 1024, 176, 8, 2, 4, -1, -1, True, FP16, id="channelwise-K176-tp4"),  # 704/4: 8-byte vectors
     pytest.param(2, 1024, 200, 8, 2, 4, -1, -1, False, BF16, id="channelwise-K200"),  # 4-byte vectors
@@ -84,7 +89,7 @@ def test_cuda_layer_matches_reference(M, H, I, E, top_k, bits, gs1, gs2, zp, dty
 
 
 @pytest.mark.parametrize("kernel", ["stream", "tiles", "gemv"])
-@pytest.mark.parametrize("M, H, I, E, top_k, bits, gs1, gs2, zp, dtype", CASES[:6])
+@pytest.mark.parametrize("M, H, I, E, top_k, bits, gs1, gs2, zp, dtype", CASES[:9])
 def test_group_major_scales_and_zero_points(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype, kernel, monkeypatch):  # noqa: E741
     # the layout the cuda backend prepares (cuda_ops.group_major): same values, each group's rows adjacent
     from vllm_wna16_plugin.kernels.cuda_ops import group_major
@@ -125,8 +130,11 @@ def test_expert_map_and_router_weight_on_input(kernel, monkeypatch):
         assert_close_scaled(out.cpu(), ref.cpu(), BF16, f"expert_map, weight on input={on_input}")
 
 
-def _check_one_gemm(E, N, K, M, top_k, bits, gs, zp, dtype, cfg, kernel, seed):
-    """One grouped GEMM through invoke_moe_wna16_gemm against einsum on the float32 dequantized weights."""
+def _check_one_gemm(E, N, K, M, top_k, bits, gs, zp, dtype, cfg, kernel, seed, group_major=False):
+    """One grouped GEMM through invoke_moe_wna16_gemm against einsum on the float32 dequantized weights.
+    group_major: the scale and zero-point tables in the layout the cuda backend prepares (cuda_ops.group_major)."""
+    from vllm_wna16_plugin.kernels import cuda_ops
+
     gen = torch.Generator().manual_seed(seed)
     kw = quantized_experts(E, N, K, bits, gs, zp, dtype, gen)
     a = torch.randn(M, K, generator=gen).to(dtype).cuda()
@@ -134,8 +142,10 @@ def _check_one_gemm(E, N, K, M, top_k, bits, gs, zp, dtype, cfg, kernel, seed):
     weights = torch.rand(M * top_k, generator=gen).cuda()
     sorted_ids, expert_ids, npp = _align()(ids, cfg.block_size_m, E, None, ignore_invalid_experts=True)
     c = torch.full((M * top_k, N), float("nan"), dtype=dtype, device="cuda")
-    qzeros = kw.qzeros.cuda() if kw.qzeros is not None else None
-    invoke_moe_wna16_gemm(a, kw.qweight.cuda(), kw.scales.cuda(), qzeros, c, weights, sorted_ids,
+    layout = cuda_ops.group_major if group_major else (lambda t: t)
+    scales = layout(kw.scales.cuda())
+    qzeros = layout(kw.qzeros.cuda()) if kw.qzeros is not None else None
+    invoke_moe_wna16_gemm(a, kw.qweight.cuda(), scales, qzeros, c, weights, sorted_ids,
                           expert_ids, npp, bits=bits, top_k=top_k, config=cfg, kernel=kernel)  # fmt: skip
     w = dequantize_ref(kw.qweight, kw.scales, kw.qzeros, bits).cuda()  # (E, N, K) float32
     pairs = torch.arange(M * top_k, device="cuda")
@@ -178,17 +188,18 @@ def test_mma_kernel_tails_and_work_splits(N, K, bits, gs, zp, dtype, block_m, bl
 
 
 @pytest.mark.parametrize(
-    "N, K, bits, gs, zp, dtype, block_m, M, slots",
+    "N, K, bits, gs, zp, dtype, block_m, M, slots, splits",
     [
-        (64, 4096, 4, 128, False, BF16, 2, 3, None),  # 2 units of 16 pairs per expert: most split across warps
-        (200, 1344, 4, 32, True, FP16, 1, 5, None),  # a half unit at N's end, K a half pair (42 chunks)
-        (96, 704, 8, -1, True, BF16, 8, 20, 9),  # one block: 8 warps cross many units; int8 channel-wise
-        (520, 2048, 4, 64, True, BF16, 4, 11, 17),  # two blocks (16 warps), gs64 (groups shorter than a step)
-        (48, 256, 4, 128, False, FP16, 8, 64, None),  # K = one pair: a warp's range is whole units or a pair
+        (64, 4096, 4, 128, False, BF16, 2, 3, None, True),  # 2 units of 16 pairs per expert: every one split
+        (200, 1344, 4, 32, True, FP16, 1, 5, None, False),  # a half unit at N's end, K a half pair (42 chunks)
+        (96, 704, 8, -1, True, BF16, 8, 20, 9, False),  # one block: 8 warps cross many units; int8 channel-wise
+        (520, 2048, 4, 64, True, BF16, 4, 11, 17, True),  # two blocks (16 warps), gs64 (groups shorter than a step)
+        (48, 256, 4, 128, False, FP16, 8, 64, None, False),  # K = one pair: a warp's range is whole units or a pair
+        (40, 384, 4, 128, True, BF16, 2, 6, 17, False),  # gs128 with zero points, K a half pair; N a partial unit
     ],
 )
 def test_stream_kernel_splits_units_between_warps_and_resets_its_counters(N, K, bits, gs, zp, dtype, block_m, M,
-                                                                        slots, monkeypatch):  # fmt: skip
+                                                                        slots, splits, monkeypatch):  # fmt: skip
     # stream-K: units split between warps meet in the workspace; `slots` limits the grid ((slots - 1) // 8 blocks)
     from vllm_wna16_plugin.block_config import BlockConfig
     from vllm_wna16_plugin.kernels import cuda_ops
@@ -197,13 +208,15 @@ def test_stream_kernel_splits_units_between_warps_and_resets_its_counters(N, K, 
     monkeypatch.setattr(cuda_ops, "stream_workspace", lambda device: workspace)
     cfg = BlockConfig(block_m, 32, K if gs == -1 else gs, K, K if gs == -1 else gs)
     for seed in range(2):  # a second launch on the workspace the first one left
-        c = _check_one_gemm(8, N, K, M, 2, bits, gs, zp, dtype, cfg, "stream", seed=N + K + seed)
-        again = _check_one_gemm(8, N, K, M, 2, bits, gs, zp, dtype, cfg, "stream", seed=N + K + seed)
+        c = _check_one_gemm(8, N, K, M, 2, bits, gs, zp, dtype, cfg, "stream", seed=N + K + seed, group_major=True)
+        again = _check_one_gemm(8, N, K, M, 2, bits, gs, zp, dtype, cfg, "stream", seed=N + K + seed, group_major=True)
         assert torch.equal(c, again), "split units are summed in warp order: the same bits every launch"
         torch.cuda.synchronize()
         slots = workspace.numel() // cuda_ops.STREAM_SLOT_WORDS
         counters = workspace[slots * (cuda_ops.STREAM_SLOT_WORDS - 1) :]  # after the partial sums
         assert int(torch.count_nonzero(counters)) == 0, "the stream kernel left a unit's counter set"
+        if splits:  # split units left partial sums in the workspace
+            assert int(torch.count_nonzero(workspace[: slots * (cuda_ops.STREAM_SLOT_WORDS - 1)])) > 0
 
 
 def test_stream_kernel_refuses_blocks_of_more_than_8_pairs_and_a_missing_workspace():

@@ -218,8 +218,8 @@ TRITON_FORMS = {
 
 
 # Providers that time the CUDA kernel under another launch geometry (cuda_ops.MIN_CTAS: the grid
-# BLOCK_SIZE_N is halved toward; MIN_WARP_STEPS: the K steps a warp keeps while it is halved) or form
-# (cuda_ops.STREAM)
+# BLOCK_SIZE_N is halved toward; MIN_WARP_STEPS: the K steps a warp keeps while it is halved), form
+# (cuda_ops.STREAM), alignment or launch kind (cuda_ops.PROGRAMMATIC_LAUNCH)
 CUDA_FORMS = {
     "plugin-cuda-ctas1": {"MIN_CTAS": 132},
     "plugin-cuda-ctas4": {"MIN_CTAS": 4 * 132},
@@ -229,6 +229,7 @@ CUDA_FORMS = {
     "plugin-cuda-bm16": {"MAX_BLOCK_M": 16},  # vLLM's min(16, M) (the default before 2026-12-04-bm8a)
     "plugin-cuda-tiles": {"STREAM": False},  # the tiled mma kernel for decode blocks (before the stream kernel)
     "plugin-cuda-vllm-align": {"OWN_ALIGN": False},  # vLLM's moe_align_block_size (before csrc/moe_align.cu)
+    "plugin-cuda-plain-launch": {"PROGRAMMATIC_LAUNCH": False},  # no programmatic dependent launches
 }
 
 

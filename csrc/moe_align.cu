@@ -23,6 +23,7 @@
 #include <string>
 
 #include "gemm_args.h"
+#include "grid_dependency.cuh"
 #include "launch_rules.h"
 
 namespace wna16_plus {
@@ -48,6 +49,8 @@ __global__ void __launch_bounds__(kAlignThreads) moe_wna16_align_kernel(const in
     if (e < 0 || e >= num_experts) return -1;
     return expert_map == nullptr ? e : expert_map[e];
   };
+  // a programmatic launch: topk_ids is the previous kernel's. No early start_next_grid() (grid_dependency.cuh)
+  wait_for_previous_grid();
   for (int e = tid; e < num_experts; e += kAlignThreads) counts[e] = 0;
   for (int i = tid; i < sorted_len; i += kAlignThreads) sorted_ids[i] = num_pairs;  // padding everywhere first
   __syncthreads();
@@ -114,19 +117,21 @@ __global__ void __launch_bounds__(kAlignThreads) moe_wna16_align_kernel(const in
 
 std::string moe_align_block_size(const at::Tensor& topk_ids, int64_t block_size, int64_t num_experts,
                                  const std::optional<at::Tensor>& expert_map, at::Tensor& sorted_token_ids,
-                                 at::Tensor& expert_ids, at::Tensor& num_tokens_post_padded) {
+                                 at::Tensor& expert_ids, at::Tensor& num_tokens_post_padded, bool programmatic) {
   const std::string refusal = align_args_error(topk_ids, block_size, num_experts, expert_map, sorted_token_ids,
                                                expert_ids, num_tokens_post_padded);
   if (!refusal.empty()) return refusal;
   const c10::cuda::OptionalCUDAGuard guard(topk_ids.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const size_t smem = (2 * static_cast<size_t>(num_experts) + 1) * sizeof(int);
-  moe_wna16_align_kernel<<<1, kAlignThreads, smem, stream>>>(
-      topk_ids.data_ptr<int32_t>(), static_cast<int>(topk_ids.numel()), static_cast<int>(num_experts),
+  const cudaError_t error = launch_kernel(
+      moe_wna16_align_kernel, dim3(1), dim3(kAlignThreads), smem, stream, programmatic, topk_ids.data_ptr<int32_t>(),
+      static_cast<int>(topk_ids.numel()), static_cast<int>(num_experts),
       expert_map.has_value() ? expert_map->data_ptr<int32_t>() : nullptr, static_cast<int>(block_size),
       sorted_token_ids.data_ptr<int32_t>(), static_cast<int>(sorted_token_ids.numel()), expert_ids.data_ptr<int32_t>(),
       static_cast<int>(expert_ids.numel()), num_tokens_post_padded.data_ptr<int32_t>());
-  const cudaError_t launched = cudaGetLastError();
+  const cudaError_t last = cudaGetLastError();  // also clears the launch's error
+  const cudaError_t launched = error != cudaSuccess ? error : last;
   return launched == cudaSuccess ? "" : std::string("align kernel launch failed: ") + cudaGetErrorString(launched);
 }
 

@@ -18,6 +18,11 @@
 // for n < N/2, h being the GEMM above; c is then (num_pairs, N/2). kernel "stream" runs the mma kernel's
 // persistent form (moe_wna16_stream.cu; BLOCK_SIZE_N is then unused) with `workspace`, a float32 tensor
 // created zero (cuda_ops.stream_workspace); on GPUs where its ring does not fit, the tiled one.
+// `programmatic` launches the kernel so that it may start while the previous kernel on the stream finishes
+// (grid_dependency.cuh; Hopper and later, else a plain launch). The stream kernel copies its first weights
+// before it waits, reading the routing lists: it is launched so only with `weights_before_wait` too, which
+// says that sorted_token_ids, expert_ids and num_tokens_post_padded were written two or more kernels back
+// (the layer's GEMM2), and plainly otherwise.
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -39,7 +44,8 @@ std::string moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const
                            const at::Tensor& num_tokens_post_padded, at::Tensor& c, int64_t bits, int64_t top_k,
                            int64_t block_size_m, int64_t block_size_n, int64_t block_size_k,
                            const std::string& kernel, const std::string& activation,
-                           const std::optional<at::Tensor>& workspace) {
+                           const std::optional<at::Tensor>& workspace, bool programmatic,
+                           bool weights_before_wait) {
   GemmShape s;
   const std::string refusal =
       gemm_args_error(a, qweight, scales, qzeros, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
@@ -57,7 +63,7 @@ std::string moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const
                static_cast<int>(top_k), static_cast<int>(s.N), static_cast<int>(s.K), static_cast<int>(s.G),
                static_cast<int>(block_size_m), static_cast<int>(block_size_n),
                activation == "silu" ? 1 : activation == "gelu" ? 2 : 0, static_cast<int>(s.out_n),
-               s.s_stride_n, s.s_stride_g, s.z_stride_n, s.z_stride_g};
+               s.s_stride_n, s.s_stride_g, s.z_stride_n, s.z_stride_g, programmatic, weights_before_wait};
   const bool fp16 = a.scalar_type() == at::kHalf;
   if (s.use_stream) {
     // two blocks per SM (what the registers allow), fewer when the work bound (every sorted block live) has
@@ -74,15 +80,20 @@ std::string moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const
     int* counters = reinterpret_cast<int*>(partials + s.stream_slots * kStreamSlotSums);
     const cudaError_t setup = launch_moe_wna16_stream(p, fp16, static_cast<int>(bits), static_cast<int>(blocks),
                                                       partials, counters, stream);
-    if (setup != cudaSuccess && setup != cudaErrorNotSupported)
-      return std::string("stream kernel setup failed: ") + cudaGetErrorString(setup);
+    if (setup != cudaSuccess && setup != cudaErrorNotSupported) {
+      cudaGetLastError();  // clears a launch error
+      return std::string("stream kernel launch failed: ") + cudaGetErrorString(setup);
+    }
     s.use_stream = setup == cudaSuccess;  // else its ring does not fit this GPU: the tiled kernel
   }
   if (s.use_stream) {
     // launched
   } else if (s.use_mma) {
     const cudaError_t setup = launch_moe_wna16_mma(p, fp16, static_cast<int>(bits), grid, stream);
-    if (setup != cudaSuccess) return std::string("mma kernel setup failed: ") + cudaGetErrorString(setup);
+    if (setup != cudaSuccess) {
+      cudaGetLastError();  // clears a launch error
+      return std::string("mma kernel launch failed: ") + cudaGetErrorString(setup);
+    }
   } else {
     launch_moe_wna16_gemv(p, fp16, static_cast<int>(bits), static_cast<int>(s.vec_bytes), grid, stream);
   }

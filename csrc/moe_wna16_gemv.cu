@@ -163,15 +163,16 @@ int lanes_for(int64_t vecs_per_row) {
   return lanes;
 }
 
+// (a launch error is left to the caller's cudaGetLastError)
 template <typename T, int BITS>
 void launch_typed(const GemmParams& p, int vec_bytes, dim3 grid, cudaStream_t stream) {
   const int lanes = lanes_for(static_cast<int64_t>(p.K) * BITS / 8 / vec_bytes);
   if (vec_bytes == 16) {
-    moe_wna16_gemv_kernel<T, BITS, 16><<<grid, kThreads, 0, stream>>>(p, lanes);
+    launch_kernel(moe_wna16_gemv_kernel<T, BITS, 16>, grid, kThreads, 0, stream, p.programmatic, p, lanes);
   } else if (vec_bytes == 8) {
-    moe_wna16_gemv_kernel<T, BITS, 8><<<grid, kThreads, 0, stream>>>(p, lanes);
+    launch_kernel(moe_wna16_gemv_kernel<T, BITS, 8>, grid, kThreads, 0, stream, p.programmatic, p, lanes);
   } else {
-    moe_wna16_gemv_kernel<T, BITS, 4><<<grid, kThreads, 0, stream>>>(p, lanes);
+    launch_kernel(moe_wna16_gemv_kernel<T, BITS, 4>, grid, kThreads, 0, stream, p.programmatic, p, lanes);
   }
 }
 

@@ -277,8 +277,7 @@ cudaError_t launch_tiles(const GemmParams& p, dim3 grid, cudaStream_t stream) {
   constexpr auto kernel = moe_wna16_mma_kernel<T, BITS, TT, SCALES, HAS_ZP, RT>;
   constexpr int kBytes = RingShape<RT, SCALES, HAS_ZP>::kBytes;
   if (const cudaError_t err = allow_ring<kernel, kBytes>(); err != cudaSuccess) return err;
-  kernel<<<grid, kThreads, kBytes, stream>>>(p);
-  return cudaSuccess;
+  return launch_kernel(kernel, grid, kThreads, kBytes, stream, p.programmatic, p);
 }
 
 // One 8-token column tile per pass (block_m <= 8, decode) streams two row tiles per warp when the block

@@ -137,6 +137,13 @@ __global__ void __launch_bounds__(kThreads, 2) moe_wna16_stream_kernel(const Gem
     issue_pair(pi);
     commit_copies();
   }
+  // A programmatic launch (grid_dependency.cuh) waits for the previous kernel only here: the copies above
+  // read weights, scales and the routing lists, nothing the previous kernel wrote (LaunchStream launches it
+  // programmatically only where the routing lists are older, p.weights_before_wait), so GEMM2's first
+  // weights stream in while GEMM1's last blocks finish. One place for the wait: a second, chosen at run
+  // time, cost the kernel 2-7% at M >= 8 (H200, pdl2: 128 registers, channel-wise and Mixtral).
+  wait_for_previous_grid();
+  start_next_grid();  // GEMM2 (or the top-k sum) takes the slots of this kernel's blocks as they exit
 
   // The compute side: unit u from pair kp, its rows and the lane's token g of the expert block.
   int u = static_cast<int>(begin / pairs), kp = static_cast<int>(begin % pairs);
@@ -284,8 +291,8 @@ struct LaunchStream {
     constexpr int kBytes = RingShape<kStreamRT, SCALES, HAS_ZP>::kBytes;
     if (!two_tile_blocks_fit<kBytes>()) return cudaErrorNotSupported;  // the caller runs the tiled kernel
     if (const cudaError_t err = allow_ring<kernel, kBytes>(); err != cudaSuccess) return err;
-    kernel<<<blocks, kThreads, kBytes, stream>>>(p, partials, counters);
-    return cudaSuccess;
+    return launch_kernel(kernel, dim3(blocks), kThreads, kBytes, stream, p.programmatic && p.weights_before_wait, p,
+                         partials, counters);
   }
 };
 

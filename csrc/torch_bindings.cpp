@@ -15,11 +15,12 @@ std::string moe_wna16_gemm(const at::Tensor& a, const at::Tensor& qweight, const
                     const at::Tensor& sorted_token_ids, const at::Tensor& expert_ids,
                     const at::Tensor& num_tokens_post_padded, at::Tensor& c, int64_t bits, int64_t top_k,
                     int64_t block_size_m, int64_t block_size_n, int64_t block_size_k, const std::string& kernel,
-                    const std::string& activation, const std::optional<at::Tensor>& workspace);
+                    const std::string& activation, const std::optional<at::Tensor>& workspace,
+                    bool programmatic, bool weights_before_wait);
 
 std::string moe_align_block_size(const at::Tensor& topk_ids, int64_t block_size, int64_t num_experts,
                                  const std::optional<at::Tensor>& expert_map, at::Tensor& sorted_token_ids,
-                                 at::Tensor& expert_ids, at::Tensor& num_tokens_post_padded);
+                                 at::Tensor& expert_ids, at::Tensor& num_tokens_post_padded, bool programmatic);
 
 // The alignment's argument check on tensors of any device (CPU in CI).
 std::string check_align_args(const at::Tensor& topk_ids, int64_t block_size, int64_t num_experts,
@@ -58,7 +59,7 @@ TORCH_LIBRARY(wna16_plus, m) {
       "moe_wna16_gemm(Tensor a, Tensor qweight, Tensor scales, Tensor? qzeros, Tensor? topk_weights, "
       "Tensor sorted_token_ids, Tensor expert_ids, Tensor num_tokens_post_padded, Tensor(c!) c, int bits, "
       "int top_k, int block_size_m, int block_size_n, int block_size_k, str kernel=\"auto\", str activation=\"none\", "
-      "Tensor(w!)? workspace=None) -> str");
+      "Tensor(w!)? workspace=None, bool programmatic=False, bool weights_before_wait=False) -> str");
   // no tensors: a catch-all kernel, callable on any machine (the CPU test enumerates configs with it)
   m.def("check_launch_config(int size_k, int num_groups, int block_size_m, int block_size_n, int block_size_k, "
         "int bits) -> str",
@@ -72,7 +73,8 @@ TORCH_LIBRARY(wna16_plus, m) {
   m.def("mma_kernel_fits(int size_k, int num_groups, int bits) -> bool", &wna16_plus::check_mma_kernel_fits);
   m.def(
       "moe_align_block_size(Tensor topk_ids, int block_size, int num_experts, Tensor? expert_map, "
-      "Tensor(a!) sorted_token_ids, Tensor(b!) expert_ids, Tensor(c!) num_tokens_post_padded) -> str");
+      "Tensor(a!) sorted_token_ids, Tensor(b!) expert_ids, Tensor(c!) num_tokens_post_padded, "
+      "bool programmatic=False) -> str");
   m.def(
       "check_align_args(Tensor topk_ids, int block_size, int num_experts, Tensor? expert_map, Tensor sorted_token_ids, "
       "Tensor expert_ids, Tensor num_tokens_post_padded) -> str",

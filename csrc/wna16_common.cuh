@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "grid_dependency.cuh"
 #include "launch_rules.h"
 
 namespace wna16_plus {
@@ -35,6 +36,10 @@ struct GemmParams {
   // element strides of a row and of a group in scales (E, N, G) and qzeros (E, N*BITS/8, G): (G, 1) for the
   // checkpoint's order, (1, rows) for group-major tables (the expert stride is rows * G either way)
   int64_t s_stride_n, s_stride_g, z_stride_n, z_stride_g;
+  // Launch (grid_dependency.cuh): programmatic lets the kernel start while the previous one finishes. The
+  // stream kernel reads the routing lists before it waits: it is launched so only with weights_before_wait,
+  // which says that they are two or more kernels old (GEMM2 of a layer); else plainly.
+  bool programmatic, weights_before_wait;
 };
 
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
@@ -52,10 +57,13 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
 
 // Stages the block's sorted pair ids in shared memory; false when the block lies past the padded
 // end (nothing to do). Writes zeros for the block's pairs and output columns [n_begin, n_end) when
-// its expert is -1 (not on this rank) and returns false then too. Every thread must call it.
+// its expert is -1 (not on this rank) and returns false then too. Every thread must call it, first:
+// it waits for the previous kernel (a programmatic launch). No early start_next_grid(): the next kernel
+// launches as this grid's blocks exit (grid_dependency.cuh says why).
 template <typename T>
 __device__ __forceinline__ bool stage_block_pairs(const GemmParams& p, int* s_pairs, int n_begin, int n_end,
                                                   int& expert) {
+  wait_for_previous_grid();
   const int row0 = blockIdx.x * p.block_m;
   if (row0 >= *p.num_tokens_post_padded) return false;
   for (int i = threadIdx.x; i < p.block_m; i += kThreads) s_pairs[i] = p.sorted_token_ids[row0 + i];

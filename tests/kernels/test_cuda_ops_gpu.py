@@ -287,6 +287,47 @@ def test_decode_step_captures_in_a_cuda_graph(kernel, monkeypatch):
     assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), BF16, "graph replay")
 
 
+# A chain of layer calls, each one's output the next one's input: every kernel of a call reads what the one
+# before it wrote (the alignment's ids aside), so a programmatic launch (cuda_ops.PROGRAMMATIC_LAUNCH) that
+# read before its wait would see stale data. Eager and captured in a CUDA graph, each layer matches the
+# reference on its input, and the bits equal those of plain launches.
+@pytest.mark.parametrize("kernel", ["stream", "tiles", "gemv"])
+def test_programmatic_launches_chain_layers_as_plain_launches_do(kernel, monkeypatch):
+    from vllm_wna16_plugin.kernels import cuda_ops
+
+    p = make_moe_problem(M=3, H=1024, I=512, E=8, top_k=2, bits=4, gs1=128, zp=True, seed=31)
+    args, kw = _cuda(p)
+    align, kernel = _align(), _layer_kernel(kernel, monkeypatch)
+
+    def chain(x, layers=4):
+        outs = []
+        for _ in range(layers):
+            x = fused_moe_wna16_cuda(x, *args[1:], **kw, align_fn=align, kernel=kernel)
+            outs.append(x)
+        return outs
+
+    x0 = args[0].clone()
+    monkeypatch.setattr(cuda_ops, "PROGRAMMATIC_LAUNCH", False)
+    plain = [t.clone() for t in chain(x0)]
+    monkeypatch.setattr(cuda_ops, "PROGRAMMATIC_LAUNCH", True)
+    eager = chain(x0)
+    torch.cuda.synchronize()
+    for i, (e, want) in enumerate(zip(eager, plain, strict=True)):
+        assert torch.equal(e, want), f"layer {i}: programmatic launches changed the result"
+        layer_in = x0 if i == 0 else plain[i - 1]
+        ref = fused_moe_wna16_ref(layer_in, *args[1:], **kw)
+        assert_close_scaled(e.cpu(), ref.cpu(), BF16, f"layer {i} of the chain ({kernel})")
+    x = torch.zeros_like(x0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(x)
+    x.copy_(x0)
+    graph.replay()
+    torch.cuda.synchronize()
+    for i, (c, want) in enumerate(zip(captured, plain, strict=True)):
+        assert torch.equal(c, want), f"layer {i}: the graph's programmatic launches changed the result"
+
+
 def test_bad_input_is_refused_before_the_launch():
     p = make_moe_problem(M=2, H=256, I=128, E=4, top_k=2, bits=4, gs1=32, seed=5)
     args, kw = _cuda(p)

@@ -122,6 +122,27 @@ def stream_workspace(device: torch.device) -> torch.Tensor:
     return _workspaces[index]
 
 
+# Whether the layer's kernels (alignment, GEMMs, top-k sum) are programmatic dependent launches on GPUs that
+# take them (sm90+; csrc/grid_dependency.cuh): each may start while the one before it finishes, and a stream
+# GEMM2 copies its first weights during GEMM1's tail (its routing lists are the alignment's, two kernels
+# back; a stream GEMM1 is launched plainly, as it reads them before it waits). False: plain launches
+# (bench_moe.py's plugin-cuda-plain-launch). H200, 2026-12-04-pdl3: 1-5 us faster per layer call at
+# M 1-32 on every shape (Mixtral M=1 88.0 against 90.3 us, the channel-wise shape at M=8 72.2 against 77.4).
+PROGRAMMATIC_LAUNCH = True
+
+
+@functools.cache
+def _sm_major(index: int) -> int:
+    return torch.cuda.get_device_properties(index).major
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether the layer launches its kernels programmatically on `device` (PROGRAMMATIC_LAUNCH, sm90+)."""
+    if not PROGRAMMATIC_LAUNCH or device.type != "cuda":
+        return False
+    return _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
 # Whether the layer aligns decode batches (at most ALIGN_MAX_PAIRS routed pairs) with the plugin's one-block
 # alignment (csrc/moe_align.cu) instead of vLLM's moe_align_block_size (bench_moe.py's plugin-cuda-vllm-align):
 # H200, 2026-12-04-stream1: vLLM's took 9 µs of DeepSeek-V2-Lite's layer at M=8 (64 experts).
@@ -130,11 +151,17 @@ ALIGN_MAX_PAIRS = 4096
 
 
 def align_block_size(
-    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None, align_fn: AlignFn
+    topk_ids: torch.Tensor,
+    block_size: int,
+    num_experts: int,
+    expert_map: torch.Tensor | None,
+    align_fn: AlignFn,
+    programmatic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """vLLM's moe_align_block_size(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts=True):
     (sorted_token_ids, expert_ids, num_tokens_post_padded), the plugin's own kernel for decode batches of
-    int32 ids, else align_fn (vLLM's). The lists are as long as vLLM makes them."""
+    int32 ids, else align_fn (vLLM's). The lists are as long as vLLM makes them. programmatic: the plugin's
+    kernel is a programmatic dependent launch (see PROGRAMMATIC_LAUNCH)."""
     pairs = topk_ids.numel()
     own = OWN_ALIGN and topk_ids.dtype == torch.int32 and pairs <= ALIGN_MAX_PAIRS and num_experts <= 4096
     if not own:
@@ -144,7 +171,7 @@ def align_block_size(
     expert_ids = torch.empty(-(-longest // block_size), dtype=torch.int32, device=topk_ids.device)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
     refusal = torch.ops.wna16_plus.moe_align_block_size(
-        topk_ids.contiguous(), block_size, num_experts, expert_map, sorted_ids, expert_ids, num_post_pad
+        topk_ids.contiguous(), block_size, num_experts, expert_map, sorted_ids, expert_ids, num_post_pad, programmatic
     )
     if refusal:
         raise RuntimeError(f"wna16_plus::moe_align_block_size: {refusal}")
@@ -225,6 +252,8 @@ def invoke_moe_wna16_gemm(
     config: BlockConfig,
     kernel: str = "auto",
     activation: str = "none",
+    programmatic: bool = False,
+    weights_before_wait: bool = False,
 ) -> torch.Tensor:
     """One grouped GEMM on torch.ops.wna16_plus.moe_wna16_gemm; the op checks every argument first.
 
@@ -233,12 +262,14 @@ def invoke_moe_wna16_gemm(
     "stream": the tensor-core kernel's persistent form (BLOCK_SIZE_M <= 8; BLOCK_SIZE_N unused), on
     stream_workspace(a.device).
     activation: "silu" / "gelu" fuses the gated activation (mma kernel only): rows n and N/2 + n of
-    qweight are gate and up of output column n, and c is (num_pairs, N/2)."""
+    qweight are gate and up of output column n, and c is (num_pairs, N/2).
+    programmatic: a programmatic dependent launch (csrc/moe_wna16_gemm.cu); weights_before_wait says that the
+    routing lists were written two or more kernels back, without which the stream kernel is launched plainly."""
     # the op returns its refusal instead of throwing (no C++ exception leaves the library; csrc/moe_wna16_gemm.cu)
     refusal = torch.ops.wna16_plus.moe_wna16_gemm(
         a, qweight, scales, qzeros, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded, c,
         bits, top_k, config.block_size_m, config.block_size_n, config.block_size_k, kernel, activation,
-        stream_workspace(a.device) if kernel == "stream" else None,
+        stream_workspace(a.device) if kernel == "stream" else None, programmatic, weights_before_wait,
     )  # fmt: skip
     if refusal:
         raise RuntimeError(f"wna16_plus::moe_wna16_gemm: {refusal}")
@@ -299,8 +330,9 @@ def fused_moe_wna16_cuda(
     cfg2 = gemm_config(m, top_k, num_experts, inter, hidden, w2_scales.shape[-1], bits)
     if cfg2.block_size_m != cfg1.block_size_m:  # one alignment for both GEMMs
         cfg2 = BlockConfig(cfg1.block_size_m, cfg2.block_size_n, cfg2.block_size_k, cfg2.size_k, cfg2.group_size)
+    pdl = programmatic_launch(x.device)
     sorted_ids, expert_ids, num_post_pad = align_block_size(
-        topk_ids, cfg1.block_size_m, global_num_experts, expert_map, align_fn
+        topk_ids, cfg1.block_size_m, global_num_experts, expert_map, align_fn, pdl
     )
     # the kernel reads A rows in 16-byte vectors: a fresh copy when x's rows are not 16-byte aligned
     a = (
@@ -323,7 +355,7 @@ def fused_moe_wna16_cuda(
     kernel1 = "stream" if streams and fuse else kernel
     kernel2 = "stream" if streams and torch.ops.wna16_plus.mma_kernel_fits(inter, w2_scales.shape[-1], bits) else kernel
     gemm = functools.partial(invoke_moe_wna16_gemm, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
-                             num_tokens_post_padded=num_post_pad, bits=bits)  # fmt: skip
+                             num_tokens_post_padded=num_post_pad, bits=bits, programmatic=pdl)  # fmt: skip
     if fuse:
         act = torch.empty(m * top_k, inter, dtype=x.dtype, device=x.device)
         gemm(a, w13_qweight, w13_scales, w13_qzeros, act, None, top_k=top_k, config=cfg1, activation=activation,
@@ -335,9 +367,10 @@ def fused_moe_wna16_cuda(
     # rows of pairs the alignment skips (experts of other ranks, with an expert_map) stay unwritten in
     # act and h2; their h2 rows must add 0 in the top-k sum, so h2 then starts as zeros
     h2 = (torch.empty if expert_map is None else torch.zeros)(m * top_k, hidden, dtype=x.dtype, device=x.device)
+    # GEMM2's routing lists are the alignment's: two or more kernels back
     gemm(act, w2_qweight, w2_scales, w2_qzeros, h2, None if apply_router_weight_on_input else weights,
-         top_k=1, config=cfg2, kernel=kernel2)  # fmt: skip
-    return moe_sum_triton(h2, out, top_k)
+         top_k=1, config=cfg2, kernel=kernel2, weights_before_wait=True)  # fmt: skip
+    return moe_sum_triton(h2, out, top_k, programmatic=pdl)
 
 
 __all__ = [

@@ -128,12 +128,17 @@ def _moe_sum_kernel(
     compute_type: tl.constexpr,
     RNE_BY_HAND: tl.constexpr,
     BLOCK: tl.constexpr,
+    PROGRAMMATIC: tl.constexpr = False,
 ):
     """out[t] = sum_j round(sum_s y[s, t*top_k + j]), float32 sum, one rounding at the end.
 
     Grid: (T, cdiv(H, BLOCK)). Each pair's value is rounded to the compute type first,
-    the rounding point of the unsplit GEMM2 output.
+    the rounding point of the unsplit GEMM2 output. PROGRAMMATIC: launched to start while the kernel
+    before it finishes (csrc/grid_dependency.cuh's contract): it waits for that kernel first.
     """
+    if PROGRAMMATIC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
@@ -154,8 +159,13 @@ def moe_sum_triton(
     y: torch.Tensor,  # (T*top_k, H) bf16/fp16, or (SPLIT, T*top_k, H) float32 partials
     out: torch.Tensor,  # (T, H) bf16/fp16
     top_k: int,
+    *,
+    programmatic: bool = False,
 ) -> torch.Tensor:
-    """out[t] = sum_j y[t*top_k + j] (partials summed over dim 0 first), float32 accumulate, one launch."""
+    """out[t] = sum_j y[t*top_k + j] (partials summed over dim 0 first), float32 accumulate, one launch.
+
+    programmatic: a programmatic dependent launch (Hopper and later; the caller checks): the kernel may start
+    while the one before it finishes, and waits for it before it reads y."""
     y3 = y.unsqueeze(0) if y.dim() == 2 else y
     split = y3.shape[0] if y.dim() == 3 else 1
     T, H = out.shape
@@ -183,6 +193,7 @@ def moe_sum_triton(
         RNE_BY_HAND=_is_interpreter() and out.dtype == torch.bfloat16,
         BLOCK=block,
         num_warps=4 if block >= 512 else 1,
+        **({"PROGRAMMATIC": True, "launch_pdl": True} if programmatic else {}),
     )
     return out
 

@@ -1,22 +1,34 @@
 """The only module that touches vLLM internals. A vLLM bump is this one file.
 
-Ledger (one entry per symbol outside vLLM's documented plugin API):
+The plugin runs on vLLM 0.26 through 0.34 from one codebase. Where vLLM changed, the form is chosen by
+feature detection (does the attribute, keyword or class exist), never by comparing versions; the one
+version comparison is `version_status`, which decides whether to register at all.
 
-| symbol | why | checked in | remove when |
+Ledger (one entry per symbol outside vLLM's documented plugin API; "0.26-0.34" = same form throughout;
+checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
+
+| symbol | why | forms by version (detected by) | remove when |
 |---|---|---|---|
-| model_executor.layers.quantization.register_quantization_config / get_quantization_config | registers `moe_wna16_plus`; looks it up for layers built without an engine | 0.26.0 | public API |
-| ...quantization.base_config.QuantizationConfig / QuantizeMethodBase | base classes of our config/method | 0.26.0 | public API |
-| ...fused_moe.FusedMoEMethodBase, RoutedExperts, UnquantizedFusedMoEMethod | the MoE method contract and the layer it owns | 0.26.0 | - |
-| ...fused_moe.config.int4_w4a16_moe_quant_config / int8_w8a16_moe_quant_config | `get_fused_moe_quant_config` (read by vLLM's runner) | 0.26.0 | - |
-| RoutedExperts._map_global_expert_id_to_local_expert_id | expert-parallel weight loading | 0.26.0 | vLLM exposes the map publicly |
-| FusedMoEConfig.tp_rank / tp_size / moe_backend | TP sharding and `--moe-backend` | 0.26.0 | - |
-| ...linear.LinearBase, UnquantizedLinearMethod | delegation of linear layers | 0.26.0 | - |
-| ...quantization.auto_gptq.AutoGPTQConfig, auto_awq.AutoAWQConfig, compressed_tensors.CompressedTensorsConfig | linear layers run vLLM's in-tree method of the format | 0.26.0 | - |
-| transformers_utils.config.get_safetensors_params_metadata | which linear modules are stored quantized (as AutoGPTQConfig.maybe_update_config does) | 0.26.0 | - |
-| ...fused_moe.moe_align_block_size.moe_align_block_size | token alignment for our kernels on GPU | 0.26.0 | - |
-| vllm._custom_ops.moe_wna16_gemm / moe_sum | the `vllm_cuda` backend (vLLM's CUDA GEMM with our legal configs) | 0.26.0 | our csrc kernel replaces it |
-| ...fused_moe.experts.marlin_moe.fused_marlin_moe + marlin_utils repack helpers | the `marlin` backend | 0.26.0 | - |
-| config.VllmConfig / DeviceConfig / set_current_vllm_config, distributed.init_distributed_environment / initialize_model_parallel, FusedMoE(...) | building our MoE layers on CPU without an engine (`vllm-wna16 demo` without a GPU, layer tests) | 0.26.0 | - |
+| model_executor.layers.quantization.register_quantization_config / get_quantization_config | registers `moe_wna16_plus`; looks it up for layers built without an engine | 0.26-0.34 | public API |
+| ...quantization.base_config.QuantizationConfig / QuantizeMethodBase | base classes of our config/method | 0.26-0.34 (same six abstract methods) | public API |
+| QuantizationConfig.get_checkpoint_weight_mapper | the base drops every `.g_idx` tensor; ours keeps the experts' (act order) | absent 0.26-0.29; 0.30-0.34 a WeightsMapper dropping suffix `.g_idx` (`has_checkpoint_weight_mapper`) | - |
+| model_executor.models.utils.WeightsMapper | the mapper ours returns | 0.26-0.34 | - |
+| ...fused_moe.FusedMoEMethodBase, RoutedExperts, UnquantizedFusedMoEMethod | the MoE method contract and the layer it owns | 0.26-0.34 | - |
+| ...fused_moe.FusedMoE / FusedMoEFactory | building a MoE layer without an engine (`fused_moe_layer_cls`) | `FusedMoE` 0.26; `FusedMoEFactory` 0.27-0.34, same keywords, returns the runner whose `.routed_experts` we own | - |
+| ...fused_moe.config.int4_w4a16_moe_quant_config / int8_w8a16_moe_quant_config | `get_fused_moe_quant_config` (read by vLLM's runner) | 0.26-0.34 | - |
+| RoutedExperts._map_global_expert_id_to_local_expert_id | expert-parallel weight loading | 0.26-0.34 | vLLM exposes the map publicly |
+| FusedMoEConfig.tp_rank / tp_size / moe_backend | TP sharding and `--moe-backend` | 0.26-0.34 | - |
+| config.kernel.MoEBackend (Literal) | vLLM's `--moe-backend` names, for a precise refusal (`vllm_moe_backend_names`) | 0.26-0.34, names added over time (0.34: batched_triton, b12x, rdna3, ...) | - |
+| ...linear.LinearBase, UnquantizedLinearMethod | delegation of linear layers | 0.26-0.34 | - |
+| ...quantization.auto_gptq.AutoGPTQConfig, auto_awq.AutoAWQConfig, compressed_tensors.CompressedTensorsConfig | linear layers run vLLM's in-tree method of the format | 0.26-0.34 paths; from 0.30 GPTQ `desc_act` with groups and compressed-tensors `actorder: group` raise ValueError (we refuse per linear layer, naming it) | - |
+| transformers_utils.config.get_safetensors_params_metadata | which linear modules are stored quantized (as AutoGPTQConfig.maybe_update_config does) | 0.26-0.34 | - |
+| ...fused_moe.moe_align_block_size.moe_align_block_size | token alignment for our kernels on GPU; the humming backend's (`ignore_invalid_experts=True`) | 0.26-0.34 (0.34 adds optional keywords) | - |
+| ...fused_moe.moe_fused_mul_sum.moe_fused_mul_sum | the humming backend's top-k weighted sum (`align_and_weighted_sum_pieces`) | 0.26-0.34 | - |
+| vllm._custom_ops.moe_wna16_gemm / moe_sum | the `vllm_cuda` backend (vLLM's CUDA GEMM with our legal configs) | 0.26-0.34 (same op schemas) | our csrc kernel replaces it |
+| vllm._custom_ops.gptq_marlin_moe_repack | the `marlin` backend's weight repack | `(q, perm, k, n, bits)` 0.26-0.29; `(q, k, n, bits[, is_a_8bit])` 0.30-0.34 (`marlin_moe_repack`: "perm" in its signature) | - |
+| ...fused_moe.experts.marlin_moe.fused_marlin_moe + marlin_utils helpers, fused_moe.activation.MoEActivation, scalar_type.scalar_types | the `marlin` backend | `is_k_full`/`g_idx`/`sort_indices` keywords 0.26-0.29, gone 0.30-0.34 (`fused_marlin_moe_fn`: "is_k_full" in its signature) | - |
+| logger.configure_logging_if_needed, config.logging.LoggingConfig | our CLI tools' INFO lines in vLLM's format | absent 0.26-0.30 (vLLM configures at import); 0.31-0.34 configured lazily by entry points (`configure_logging`) | - |
+| config.VllmConfig / DeviceConfig / set_current_vllm_config, distributed.init_distributed_environment / initialize_model_parallel | building our MoE layers on CPU without an engine (`vllm-wna16 demo` without a GPU, layer tests) | 0.26-0.34 | - |
 
 Every import is lazy (inside a function) so `import vllm_wna16_plugin` stays cheap and
 works without vLLM; callers get a clear error when vLLM is missing.
@@ -25,13 +37,34 @@ works without vLLM; callers get a clear error when vLLM is missing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
+import inspect
 import logging
+import re
 import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-SUPPORTED_VLLM = ((0, 26), (0, 27))  # [min, max) by (major, minor)
+# The version range is the one place a version string is compared; everything else is decided by
+# feature detection (the ledger above). Lowest: the oldest vLLM the plugin was checked on (0.26.0);
+# newest: the newest one CI tests (0.34.0). Newer vLLMs get a warning, not a refusal.
+MIN_VLLM = (0, 26)
+NEWEST_TESTED_VLLM = (0, 34)
+VLLM_REQUIREMENT = "vllm>=0.26,<0.35"
+
+
+@dataclasses.dataclass(frozen=True)
+class VersionStatus:
+    """Whether the plugin can register on a vLLM version: `ok`, or refuse/warn with `message`."""
+
+    version: str | None
+    register: bool  # False: moe_wna16_plus is not offered (too old, or no vLLM)
+    message: str | None  # None: nothing to say; else an error (register=False) or a warning
+
+    @property
+    def ok(self) -> bool:
+        return self.register and self.message is None
 
 
 def vllm_version() -> str | None:
@@ -43,22 +76,38 @@ def vllm_version() -> str | None:
         return None
 
 
-def check_vllm_version(version: str | None = None) -> None:
-    """Raise a clear error when the installed vLLM is not one this plugin supports."""
+def version_status(version: str | None = None) -> VersionStatus:
+    """Judge a vLLM version against [MIN_VLLM, NEWEST_TESTED_VLLM]: refuse below, warn above, never raise.
+
+    >>> version_status("0.34.0").ok, version_status("0.25.1").register, version_status("0.35.0").register
+    (True, False, True)
+    """
     version = version if version is not None else vllm_version()
     if version is None:
-        raise RuntimeError("vllm-wna16-plugin needs vLLM installed (pip install 'vllm>=0.26,<0.27')")
-    parts = version.split(".")
-    try:
-        major_minor = (int(parts[0]), int(parts[1]))
-    except (ValueError, IndexError):
-        raise RuntimeError(f"cannot parse the vLLM version {version!r}") from None
-    lo, hi = SUPPORTED_VLLM
-    if not (lo <= major_minor < hi):
-        raise RuntimeError(
-            f"vllm-wna16-plugin supports vLLM >= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}; "
-            f"found vLLM {version}. Install a matching vLLM or a plugin release for yours."
+        return VersionStatus(None, False, f"vLLM is not installed; install it first ({VLLM_REQUIREMENT!r})")
+    match = re.match(r"^\s*v?(\d+)\.(\d+)", version)
+    if match is None:  # a source build without tags: let feature detection decide
+        return VersionStatus(
+            version, True, f"cannot read vLLM's version {version!r}; vllm-wna16-plugin is tested on {VLLM_REQUIREMENT}"
         )
+    major_minor = (int(match.group(1)), int(match.group(2)))
+    lo, hi = MIN_VLLM, NEWEST_TESTED_VLLM
+    if major_minor < lo:
+        return VersionStatus(
+            version,
+            False,
+            f"vllm-wna16-plugin needs vLLM >= {lo[0]}.{lo[1]} and found vLLM {version}: quantization "
+            f"'moe_wna16_plus' is not available. Upgrade vLLM (pip install '{VLLM_REQUIREMENT}') or "
+            f"uninstall vllm-wna16-plugin",
+        )
+    if major_minor > hi:
+        return VersionStatus(
+            version,
+            True,
+            f"vllm-wna16-plugin is tested up to vLLM {hi[0]}.{hi[1]} and found vLLM {version}; carrying on. "
+            f"Please report problems with the vLLM version in the issue",
+        )
+    return VersionStatus(version, True, None)
 
 
 def init_logger(name: str) -> logging.Logger:
@@ -75,6 +124,24 @@ def init_logger(name: str) -> logging.Logger:
         return _init(name)
     except Exception:  # noqa: BLE001
         return logging.getLogger(name)
+
+
+def configure_logging() -> None:
+    """Give the `vllm` logger its handler as vLLM's own entry points do, for the plugin's CLI tools.
+
+    vLLM 0.26-0.30 configure logging when `vllm.logger` is imported. From 0.31 only entry points do
+    (`LLM(...)`, the engine core, `vllm serve`), through `configure_logging_if_needed`; a tool of ours
+    that builds layers itself must call it, or its INFO lines (the backend explanation) are dropped.
+    Never called from `register()`: a user's later `configure_logging=False` could not undo it."""
+    try:
+        from vllm import logger as vllm_logger
+
+        configure = getattr(vllm_logger, "configure_logging_if_needed", None)
+        if configure is None:
+            return  # 0.26-0.30: configured at import
+        configure(_get("vllm.config.logging", "LoggingConfig")())
+    except Exception:  # noqa: BLE001 - logging set-up must never stop a tool
+        pass
 
 
 def _get(module: str, name: str) -> Any:
@@ -142,6 +209,24 @@ def set_weight_attrs(param, attrs: dict) -> None:
     _get("vllm.model_executor.utils", "set_weight_attrs")(param, attrs)
 
 
+def has_checkpoint_weight_mapper() -> bool:
+    """True where vLLM's QuantizationConfig maps checkpoint names (0.30+: its default drops every `.g_idx`)."""
+    return hasattr(quantization_config_base(), "get_checkpoint_weight_mapper")
+
+
+# A routed expert's tensors sit under `.experts.<id>.` in every MoE checkpoint vLLM loads (Qwen2/3-MoE
+# `mlp.experts.3.gate_proj`, Mixtral `block_sparse_moe.experts.3.w1`, DeepSeek `mlp.experts.3.up_proj`);
+# shared experts (`.shared_experts.`) are linear layers and do not match.
+EXPERT_G_IDX = r"^(?!.*\.experts\.).*\.g_idx$"
+
+
+def weights_mapper_keeping_expert_g_idx():
+    """vLLM's default mapper without its blanket `.g_idx` drop: act-order tensors of routed experts reach
+    our layers; every other `.g_idx` is still dropped (vLLM's linear methods have no g_idx from 0.30)."""
+    mapper_cls = _get("vllm.model_executor.models.utils", "WeightsMapper")
+    return mapper_cls(orig_to_new_regex={re.compile(EXPERT_G_IDX): None})
+
+
 def fused_moe_quant_config(bits: int, w13_scales, w2_scales, w13_zeros, w2_zeros, group_size: int):
     """The FusedMoEQuantConfig vLLM's runner reads (it does not pick our kernels)."""
     mod = "vllm.model_executor.layers.fused_moe.config"
@@ -173,6 +258,16 @@ def layer_moe_backend(layer_or_moe_config) -> str:
 def layer_activation(layer) -> str:
     act = getattr(layer, "activation", "silu")
     return str(getattr(act, "value", act))
+
+
+def vllm_moe_backend_names() -> tuple[str, ...]:
+    """Every `--moe-backend` name this vLLM accepts (empty when it cannot say)."""
+    import typing
+
+    try:
+        return tuple(str(n) for n in typing.get_args(_get("vllm.config.kernel", "MoEBackend")))
+    except Exception:  # noqa: BLE001
+        return ()
 
 
 # ------------------------------------------------------------------ platform
@@ -225,12 +320,32 @@ def has_vllm_cuda_ops() -> bool:
         return False
 
 
+def marlin_moe_repack(qweight, size_k: int, size_n: int, num_bits: int):
+    """vLLM's Marlin MoE repack of GPTQ-packed (E, K/pack, N) int32 weights, with or without act order's `perm`."""
+    import torch
+
+    repack = vllm_custom_ops().gptq_marlin_moe_repack
+    if "perm" in inspect.signature(repack).parameters:  # 0.26-0.29: an empty perm means no act order
+        perm = torch.empty((qweight.shape[0], 0), dtype=torch.int32, device=qweight.device)
+        return repack(qweight, perm, size_k, size_n, num_bits)
+    return repack(qweight, size_k, size_n, num_bits)
+
+
+def fused_marlin_moe_fn():
+    """vLLM's fused_marlin_moe, called with the keywords this vLLM takes (0.26-0.29 also want is_k_full)."""
+    fn = _get("vllm.model_executor.layers.fused_moe.experts.marlin_moe", "fused_marlin_moe")
+    if "is_k_full" not in inspect.signature(fn).parameters:
+        return fn
+    return lambda *args, **kwargs: fn(*args, is_k_full=True, **kwargs)
+
+
 def marlin_pieces() -> dict[str, Any]:
     """The vLLM pieces the marlin backend needs (GPU only)."""
     mu = "vllm.model_executor.layers.quantization.utils.marlin_utils"
     return {
         "ops": vllm_custom_ops(),
-        "fused_marlin_moe": _get("vllm.model_executor.layers.fused_moe.experts.marlin_moe", "fused_marlin_moe"),
+        "repack": marlin_moe_repack,
+        "fused_marlin_moe": fused_marlin_moe_fn(),
         "marlin_moe_permute_scales": _get(mu, "marlin_moe_permute_scales"),
         "moe_packed_to_marlin_zero_points": _get(mu, "moe_packed_to_marlin_zero_points"),
         "marlin_make_workspace_new": _get(mu, "marlin_make_workspace_new"),
@@ -238,6 +353,24 @@ def marlin_pieces() -> dict[str, Any]:
         "scalar_types": _get("vllm.scalar_type", "scalar_types"),
         "MoEActivation": _get("vllm.model_executor.layers.fused_moe.activation", "MoEActivation"),
     }
+
+
+def align_and_weighted_sum_pieces() -> dict[str, Any]:
+    """vLLM's token alignment and top-k weighted sum for the humming backend, each None when it cannot be imported.
+
+    moe_align_block_size(topk_ids, block_size, num_experts, expert_map, pad_sorted_ids,
+    ignore_invalid_experts) and moe_fused_mul_sum(inputs, topk_weights, outputs, topk_ids,
+    expert_map) have these parameters in vLLM 0.26.0 and 0.34.0."""
+    pieces: dict[str, Any] = {}
+    for key, module in (
+        ("moe_align_block_size", "vllm.model_executor.layers.fused_moe.moe_align_block_size"),
+        ("moe_fused_mul_sum", "vllm.model_executor.layers.fused_moe.moe_fused_mul_sum"),
+    ):
+        try:
+            pieces[key] = _get(module, key)
+        except Exception:  # noqa: BLE001
+            pieces[key] = None
+    return pieces
 
 
 # ------------------------------------------------------------------ MoE layers without an engine
@@ -264,6 +397,15 @@ def cpu_layer_context() -> Iterator[Any]:
         yield cfg
 
 
+def fused_moe_layer_cls():
+    """The class that builds a MoE layer: `FusedMoE` (0.26), renamed `FusedMoEFactory` (0.27+), same keywords."""
+    mod = importlib.import_module("vllm.model_executor.layers.fused_moe")
+    cls = getattr(mod, "FusedMoEFactory", None) or getattr(mod, "FusedMoE", None)
+    if cls is None:
+        raise ImportError("vllm.model_executor.layers.fused_moe has neither FusedMoEFactory nor FusedMoE")
+    return cls
+
+
 def build_routed_experts(
     vllm_cfg,
     quant_config,
@@ -283,7 +425,7 @@ def build_routed_experts(
     earlier is forgotten first, so callers may rebuild layers."""
     import torch
 
-    fused_moe_cls = _get("vllm.model_executor.layers.fused_moe", "FusedMoE")
+    fused_moe_cls = fused_moe_layer_cls()
     vllm_cfg.compilation_config.static_forward_context.pop(prefix, None)
     runner = fused_moe_cls(
         num_experts=num_experts,

@@ -5,7 +5,8 @@
 once per layer type. An explicit choice that cannot work raises at load time
 with the reason and the backends that would. The user's choice comes from
 `VLLM_WNA16_PLUS_BACKEND` (plugin names) or else vLLM's `--moe-backend`
-(`auto`, `triton`, `marlin`, `emulation`); other `--moe-backend` names are an error.
+(`auto`, `triton`, `marlin`, `humming`, `emulation`); vLLM's other `--moe-backend` names run
+other quantization formats, and asking for one with `moe_wna16_plus` is an error that says so.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from vllm_wna16_plugin.backends import Backend, MoEProblem, registry
 
 ENV_BACKEND = "VLLM_WNA16_PLUS_BACKEND"
 # vLLM's --moe-backend names that mean something for this plugin's layers.
-VLLM_BACKEND_NAMES = {"auto": "auto", "triton": "triton", "marlin": "marlin", "emulation": "reference"}
+VLLM_BACKEND_NAMES = {
+    "auto": "auto",
+    "triton": "triton",
+    "marlin": "marlin",
+    "humming": "humming",
+    "emulation": "reference",
+}
 
 
 @dataclass(frozen=True)
@@ -57,9 +64,16 @@ def resolve_request(moe_backend: str | None, env: dict[str, str] | None = None) 
         return plugin_choice, ENV_BACKEND
     choice = (moe_backend or "auto").strip().lower().replace("-", "_")
     if choice not in VLLM_BACKEND_NAMES:
+        from vllm_wna16_plugin import _vllm
+
+        what = (
+            "is one of vLLM's MoE backends, but not one for weight-only int4/int8 experts"
+            if choice in _vllm.vllm_moe_backend_names()
+            else "is not a MoE backend of this vLLM"
+        )
         raise ValueError(
-            f"--moe-backend={choice!r} is not supported by quantization=moe_wna16_plus; "
-            f"supported: {list(VLLM_BACKEND_NAMES)} (or set {ENV_BACKEND} to one of {names})"
+            f"--moe-backend={choice!r} {what}; with --quantization moe_wna16_plus use one of "
+            f"{list(VLLM_BACKEND_NAMES)} (or set {ENV_BACKEND} to one of {names})"
         )
     return VLLM_BACKEND_NAMES[choice], "--moe-backend"
 

@@ -117,7 +117,26 @@ def make_config_class():
 
         def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
             if self.parsed.quant_method == "compressed-tensors":
-                self._delegate().apply_vllm_mapper(hf_to_vllm_mapper)
+                # a delegate vLLM refuses (e.g. actorder) is only an error if a linear layer needs it
+                self._delegate_or_none(lambda d: d.apply_vllm_mapper(hf_to_vllm_mapper))
+
+        def get_checkpoint_weight_mapper(self):
+            """Keep the routed experts' `.g_idx` (act order), which vLLM's default mapper (0.30+) drops
+            along with every other `.g_idx`; the others are still dropped (see _vllm.EXPERT_G_IDX)."""
+            return _vllm.weights_mapper_keeping_expert_g_idx()
+
+        def _linear_method(self, layer, prefix: str):
+            """vLLM's in-tree linear method of the format, or a refusal that names the layer and why."""
+            try:
+                return self._delegate().get_quant_method(layer, prefix)
+            except ValueError as exc:
+                raise ValueError(
+                    f"moe_wna16_plus: linear layer {prefix!r} is stored quantized ({self.parsed.quant_method}), "
+                    f"and moe_wna16_plus runs linear layers with vLLM {_vllm.vllm_version()}'s in-tree "
+                    f"{self.parsed.quant_method} method, which refuses this checkpoint: {exc}. The plugin runs "
+                    f"the MoE experts itself (act order included); their linear layers need a checkpoint "
+                    f"whose linear layers vLLM supports, or a vLLM that still does (0.26-0.29 take act order)"
+                ) from exc
 
         def get_quant_method(self, layer: torch.nn.Module, prefix: str):
             fused = getattr(self, "packed_modules_mapping", None) or None
@@ -134,11 +153,58 @@ def make_config_class():
                     self._stored_quantized(prefix)
                 ):
                     return _vllm.unquantized_linear_method()
-                return self._delegate().get_quant_method(layer, prefix)
+                return self._linear_method(layer, prefix)
             return None
 
     MoeWNA16PlusConfig.__qualname__ = "MoeWNA16PlusConfig"  # not make_config_class.<locals>.…
     return MoeWNA16PlusConfig
+
+
+def make_refusal_class(message: str):
+    """A stand-in registered under `moe_wna16_plus` on a vLLM the plugin cannot run on.
+
+    Without it, asking for `moe_wna16_plus` would end in vLLM's "unknown quantization method";
+    with it, the user's request is refused with `message` (what was found and the fix). It never
+    claims a checkpoint the user did not ask it for. Its methods take *args: older vLLMs call them
+    with fewer arguments.
+    """
+    base = _vllm.quantization_config_base()
+
+    class MoeWNA16PlusUnavailable(base):
+        def __init__(self, *args, **kwargs) -> None:
+            raise ValueError(message)
+
+        @classmethod
+        def get_name(cls) -> str:
+            return QUANTIZATION_NAME
+
+        @classmethod
+        def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+            return [torch.bfloat16, torch.float16]
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return 70
+
+        @staticmethod
+        def get_config_filenames() -> list[str]:
+            return []
+
+        @classmethod
+        def from_config(cls, config: dict[str, Any]):
+            raise ValueError(message)
+
+        @classmethod
+        def override_quantization_method(cls, hf_quant_cfg, user_quant, *args, **kwargs) -> str | None:
+            if user_quant == QUANTIZATION_NAME:
+                raise ValueError(message)
+            return None
+
+        def get_quant_method(self, layer, prefix):
+            raise ValueError(message)
+
+    MoeWNA16PlusUnavailable.__qualname__ = "MoeWNA16PlusUnavailable"
+    return MoeWNA16PlusUnavailable
 
 
 def __getattr__(name: str):

@@ -108,13 +108,28 @@ def test_unaligned_rows_or_pointers_no_td():
 
 @contextlib.contextmanager
 def gate_log(caplog):
-    """caplog's handler on the gate's logger: vLLM's `vllm` logger, its parent, does not propagate."""
-    td_gate.logger.addHandler(caplog.handler)
+    """caplog's handler on the gate's logger, unless a record already reaches it.
+
+    vLLM's `vllm` logger, the gate logger's parent, does not propagate to the root, where pytest
+    attaches caplog. pytest 9.2 also attaches it to non-propagating loggers such as `vllm`; earlier
+    ones did not. Attached twice, every record would be counted twice."""
+
+    def reaches(logger) -> bool:
+        while logger is not None:
+            if caplog.handler in logger.handlers:
+                return True
+            logger = logger.parent if logger.propagate else None
+        return False
+
+    added = not reaches(td_gate.logger)
+    if added:
+        td_gate.logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.INFO, logger=td_gate.logger.name):
             yield
     finally:
-        td_gate.logger.removeHandler(caplog.handler)
+        if added:
+            td_gate.logger.removeHandler(caplog.handler)
 
 
 def test_forced_refusal_logs_once_and_never_raises(caplog):

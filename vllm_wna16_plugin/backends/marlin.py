@@ -7,8 +7,6 @@ whatever the checkpoint wrote (None or -1).
 
 from __future__ import annotations
 
-import torch
-
 from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
 from vllm_wna16_plugin.packing import KernelWeights, from_kernel_layout, pack_along
 
@@ -67,8 +65,7 @@ class MarlinBackend(Backend):
         qw = from_kernel_layout(KernelWeights(qweight, scales, qzeros), bits)
         num_experts, size_n, size_k = qw.q.shape
         gptq_qweight = pack_along(qw.q.transpose(-1, -2), bits, dim=-2, word_bits=32)  # (E, K/pf, N)
-        perm = torch.empty((num_experts, 0), dtype=torch.int32, device=qweight.device)
-        marlin_q = pieces["ops"].gptq_marlin_moe_repack(gptq_qweight, perm, size_k, size_n, bits)
+        marlin_q = pieces["repack"](gptq_qweight, size_k, size_n, bits)
         group = _marlin_group(qw.group_size, size_k)
         marlin_s = pieces["marlin_moe_permute_scales"](
             s=scales.transpose(-1, -2).contiguous(), size_k=size_k, size_n=size_n, group_size=group
@@ -121,5 +118,4 @@ class MarlinBackend(Backend):
             w1_zeros=z1,
             w2_zeros=z2,
             workspace=state["workspace"],
-            is_k_full=True,
         )

@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if args.command == "demo":  # builds vLLM layers without a vLLM entry point: configure vLLM's logger as one would
+        from vllm_wna16_plugin import _vllm
+
+        _vllm.configure_logging()
     return int(args.func(args) or 0)
 
 

@@ -177,9 +177,14 @@ class NotApplicable(Exception):
     """A provider that does not take this shape (its oracle says why): shown as n/a, not as a crash."""
 
 
+# Peers that run through the plugin's delegating backend (the same kernels and preparation vLLM runs):
+# vLLM's Marlin MoE, and Humming, vLLM 0.34's default for WNA16 MoE on sm90 (humming-kernels 0.1.19+).
+DELEGATED = {"vllm-marlin": "marlin", "vllm-humming": "humming"}
+
+
 def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
-    """(backend, problem, prepared state) of a plugin provider; vllm-marlin is our delegation to vLLM's Marlin."""
-    name = "marlin" if prov == "vllm-marlin" else prov.removeprefix("plugin-")
+    """(backend, problem, prepared state) of a plugin provider or of a DELEGATED peer."""
+    name = DELEGATED.get(prov) or prov.removeprefix("plugin-")
     use_td, cuda_kernel = None, None
     if name == "cuda-gemv":  # the CUDA-core kernel, where the tensor-core one would run
         name, cuda_kernel = "cuda", "gemv"
@@ -283,11 +288,12 @@ def main() -> int:
     ap.add_argument(
         "--providers",
         default="plugin-auto,plugin-triton-auto,plugin-triton,plugin-triton-td,plugin-cuda,vllm-triton,vllm-cuda,"
-        "vllm-marlin,bf16-dense",
+        "vllm-marlin,vllm-humming,bf16-dense",
         help="plugin-auto: the oracle's pick (cuda inside the shipped crossover, else triton); plugin-triton-auto: "
         "the Triton backend with tuned TD; plugin-triton-alt: the same with --alt-config-dir's configs; "
         "plugin-triton / -td: pointer / TD loads forced; plugin-triton-split, "
-        "-words, -tile: other kernel forms; plugin-cuda, plugin-vllm_cuda, vllm-*: as named; bf16-dense: "
+        "-words, -tile: other kernel forms; plugin-cuda, plugin-vllm_cuda, vllm-*: as named (vllm-humming: vLLM 0.34's "
+        "default on sm90, n/a where humming-kernels 0.1.19+ is missing); bf16-dense: "
         "vLLM's fused_experts on the dequantized weights",
     )
     ap.add_argument("--reps", type=int, default=30)
@@ -383,7 +389,7 @@ def main() -> int:
                 prepared = {}
 
                 def call(w, prov=prov, prepared=prepared):
-                    if prov.startswith("plugin-") or prov == "vllm-marlin":
+                    if prov.startswith("plugin-") or prov in DELEGATED:
                         # Backends prepare once (Marlin repacks): only `run` is timed, as in serving.
                         if id(w) not in prepared:
                             prepared[id(w)] = plugin_backend(prov, xc, w, tic, s.gs)
@@ -395,7 +401,7 @@ def main() -> int:
                     return vllm.int4(prov, xc, w, twc, tic, s.gs)
 
                 try:
-                    if prov.startswith("vllm-") and prov != "vllm-marlin" and s.gs == -1:
+                    if prov.startswith("vllm-") and prov not in DELEGATED and s.gs == -1:
                         raise NotApplicable("vLLM's int4 paths take one group size for both GEMMs")
                     out = call(ws[0]).float()
                     err = ((out - ref).norm() / ref.norm()).item()

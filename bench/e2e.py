@@ -10,8 +10,10 @@ times, and the table shows the median:
   prefill            64 prompts of 512 random tokens, 1 output token each: input tokens/s
 
 Providers: plugin-auto (quantization=moe_wna16_plus), plugin-triton (--moe-backend triton),
-vllm-moe_wna16 (vLLM's in-tree moe_wna16), vllm-default (vLLM's own method for the format:
-gptq_marlin, so Marlin MoE). A provider that fails shows its error in the table.
+vllm-moe_wna16 (vLLM's in-tree moe_wna16), vllm-default (vLLM's own method for the format, with its
+own MoE backend choice: Marlin on vLLM 0.26; Humming, then Marlin, on sm90 with vLLM 0.34),
+vllm-marlin and vllm-humming (vLLM's own method with --moe-backend forced; not in the default list).
+A provider that fails shows its error in the table.
 
     python bench/e2e.py --out bench/results/h200 [--layers 4] [--providers ...] [--group-size 128]
 
@@ -41,6 +43,10 @@ PROVIDERS = {
     "plugin-triton": dict(quantization="moe_wna16_plus", moe_backend="triton"),
     "vllm-moe_wna16": dict(quantization="moe_wna16", moe_backend="auto"),
     "vllm-default": dict(quantization=None, moe_backend="auto"),
+}
+OPTIONAL_PROVIDERS = {
+    "vllm-marlin": dict(quantization=None, moe_backend="marlin"),
+    "vllm-humming": dict(quantization=None, moe_backend="humming"),  # vLLM 0.34's default on sm90
 }
 # Without --torch-compile: no torch.compile (start-up in seconds, not minutes, so that the four
 # providers fit one GPU call), full CUDA graphs of every decode batch the workloads reach.
@@ -161,7 +167,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "h200"))
-    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument(
+        "--providers",
+        default=",".join(PROVIDERS),
+        help=f"comma-separated, of {list(PROVIDERS) + list(OPTIONAL_PROVIDERS)}",
+    )
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--format", dest="fmt", default="gptq", choices=("gptq", "awq", "compressed-tensors"))
     ap.add_argument("--group-size", type=int, default=128)
@@ -195,7 +205,7 @@ def main() -> int:
     vocab = load_spec(ckpt).resolved_vocab_size
     results = []
     for prov in args.providers.split(","):
-        spec = dict(PROVIDERS[prov], provider=prov, model=str(ckpt), vocab=vocab,
+        spec = dict({**PROVIDERS, **OPTIONAL_PROVIDERS}[prov], provider=prov, model=str(ckpt), vocab=vocab,
                     attention_backend=args.attention_backend, torch_compile=args.torch_compile,
                     repeats=args.repeats, profile_prefill=args.profile_prefill)  # fmt: skip
         spec_path, out_path = work / f"{prov}.spec.json", work / f"{prov}.out.json"

@@ -1,0 +1,517 @@
+"""`humming`: delegate to the Humming kernels (humming-kernels 0.1.19), as vLLM 0.34 does for WNA16 MoE on sm90.
+
+What it computes, for each token t routed to experts e_1..e_top_k with router weights w_1..w_top_k:
+
+    y[t] = sum_k w_k * W2[e_k] · act(W13[e_k] · x[t])
+    act(h) = silu(h[:I]) * h[I:]   (or gelu(h[:I]) * h[I:]; W13 = [gate; up] along N)
+
+with every weight dequantized per group of K elements:
+
+    w = (q - z) * s               with zero points
+    w = (q - 2**(bits-1)) * s     symmetric
+
+The GEMM1 output and the activation are rounded to the activation dtype (Humming's buffers are
+bf16/fp16, as vLLM's are); the weighted sum over top_k runs in float32.
+
+How: the plugin's kernel layout (`KernelTensors`) is exactly vLLM's `moe_wna16` layout, so prepare
+does what vLLM 0.34 does for it (int_wna16.py `_convert_moe_wna16_humming_tensors`, then
+humming's `prepare_and_transform_humming_tensors` with N padded to 256 and K to 128): the uint8
+weights are re-viewed as int32 words (no data movement), the zero points re-viewed along N, the
+scales cast to the activation dtype; Humming then repacks them once. Channel-wise is Humming's
+`weight_scale_group_size=0`. run follows vLLM 0.34's `HummingIndexedExperts.apply`: token
+alignment per the tuning table's M block, indexed GEMM1, the gated activation fused into
+Humming's input processing, indexed GEMM2, then the weighted sum over top_k. Humming compiles its
+kernels (NVRTC) at their first call, every M bucket of a layer at once; prepare runs one tiny
+forward so that this never happens inside CUDA-graph capture.
+
+vLLM's `moe_align_block_size` and `moe_fused_mul_sum` are used when they import; otherwise
+capture-safe torch equivalents run (slower; results are the same).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_wna16_plugin import _vllm
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
+
+logger = _vllm.init_logger(__name__)
+
+HUMMING_REQUIREMENT = "humming-kernels==0.1.19"
+PAD_N_TO = 256  # what vLLM 0.34 passes to prepare_and_transform_humming_tensors
+PAD_K_TO = 128
+MIN_GROUP = 16  # Humming's group scales: >= 256 / 16-bit activations, whole 16-wide MMA K steps
+
+# vLLM 0.34 quantization/utils/humming/activation.py (SILU / GELU rows): compiled into Humming's
+# input processing of GEMM2; a = the gate half, b = the up half of GEMM1's output.
+_SILU_IMPL = "a / (1.f + expf(-a))"
+_GELU_IMPL = "0.5f * a * (1.f + erff(a * 0.7071067811865476f))"
+ACTIVATIONS = {
+    "silu": {"activation_type": "binary_split", "activation_impl": f"({_SILU_IMPL}) * b"},
+    "gelu": {"activation_type": "binary_split", "activation_impl": f"({_GELU_IMPL}) * b"},
+}
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _installed_humming_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("humming-kernels")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# What prepare and run call, by module (humming-kernels 0.1.19; 0.1.10 has no humming.forward).
+_HUMMING_API = {
+    "humming.forward": ("humming_forward", "may_process_input"),
+    "humming.transform": ("prepare_and_transform_humming_tensors",),
+    "humming.tune": ("get_heuristics_config",),
+    "humming.schema": ("HummingInputSchema", "HummingWeightSchema"),
+    "humming.config": ("GemmType",),
+    "humming.dtypes": ("DataType",),
+}
+
+
+def humming_api_error() -> str | None:
+    """None when humming imports with the 0.1.19 API this backend calls, else why not (never raises)."""
+    try:
+        if "humming" in sys.modules:
+            installed = sys.modules["humming"] is not None  # None: imports of it are blocked
+        else:
+            installed = importlib.util.find_spec("humming") is not None
+        if not installed:
+            return f"humming-kernels is not installed (pip install {HUMMING_REQUIREMENT})"
+    except Exception as exc:  # noqa: BLE001
+        return f"humming cannot be located ({type(exc).__name__}: {exc})"
+    version = _installed_humming_version()
+    numbers = tuple(int(x) for x in re.findall(r"\d+", version or "")[:3])
+    if numbers and numbers < (0, 1, 19):  # known too old: say so without importing it (an import starts helpers)
+        return (
+            f"humming-kernels {version} is installed, but this backend needs the API of {HUMMING_REQUIREMENT} "
+            f"(humming.forward.humming_forward, humming.transform.prepare_and_transform_humming_tensors); "
+            f"vLLM 0.26 pins 0.1.10, whose API differs"
+        )
+    version = None
+    try:
+        humming = importlib.import_module("humming")
+        version = getattr(humming, "__version__", None) or _installed_humming_version()
+        missing = [
+            f"{module}.{name}"
+            for module, names in _HUMMING_API.items()
+            for name in names
+            if not hasattr(importlib.import_module(module), name)
+        ]
+        if missing:
+            raise ImportError(f"missing {missing}")
+    except Exception as exc:  # noqa: BLE001
+        version = version or _installed_humming_version() or "of unknown version"
+        return (
+            f"humming-kernels {version} is installed, but this backend needs the API of {HUMMING_REQUIREMENT} "
+            f"(humming.forward.humming_forward, humming.transform.prepare_and_transform_humming_tensors); "
+            f"vLLM 0.26 pins 0.1.10, whose API differs ({type(exc).__name__}: {exc})"
+        )
+    return None
+
+
+# ------------------------------------------------------------------ alignment and weighted sum
+
+
+def torch_align(
+    topk_ids: torch.Tensor, block_size: int, num_experts: int, expert_map: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's moe_align_block_size(..., ignore_invalid_experts=True) in torch, with no host sync
+    (so it can be captured in a CUDA graph).
+
+    Returns (sorted_ids, expert_ids, num_tokens_padded): the flat route ids t*top_k+k grouped by
+    local expert, each group padded to a multiple of block_size with the sentinel topk_ids.numel();
+    the local expert of each block; the padded total as a 1-element int32 tensor. Routes whose
+    expert is not local (expert_map -1, or an id outside [0, num_experts) without a map) are left out.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    numel = flat.numel()
+    device = flat.device
+    if expert_map is not None:
+        local = torch.where(flat >= 0, expert_map.to(torch.int64)[flat.clamp(min=0)], -1)
+        num_local = int(expert_map.numel())  # an upper bound of the local ids; empty experts cost nothing
+    else:
+        local = flat
+        num_local = num_experts
+    local = torch.where((local >= 0) & (local < num_local), local, num_local)  # num_local: left out
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, local, torch.ones_like(local))
+    counts = counts[:num_local]
+    padded = (counts + block_size - 1) // block_size * block_size
+    ends = padded.cumsum(0)
+    max_len = _round_up(numel + num_local * (block_size - 1), block_size)
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    starts = torch.cat([ends - padded, torch.full_like(zero, max_len)])  # slot of each expert's first route
+    firsts = torch.cat([zero, counts.cumsum(0)])  # its first position in sorted order
+    order = torch.argsort(local, stable=True)
+    sorted_local = local[order]
+    rank = torch.arange(numel, device=device) - firsts[sorted_local]
+    dest = torch.where(sorted_local < num_local, starts[sorted_local] + rank, max_len)
+    sorted_ids = torch.full((max_len + 1,), numel, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))  # left-out routes all land on the extra slot
+    block_starts = torch.arange(0, max_len, block_size, device=device)
+    expert_ids = torch.searchsorted(ends, block_starts, right=True)
+    expert_ids = torch.where(block_starts < ends[-1], expert_ids, 0).to(torch.int32)  # past the end: never read
+    num_tokens_padded = ends[-1:].to(torch.int32)
+    return sorted_ids[:max_len], expert_ids, num_tokens_padded
+
+
+def torch_weighted_sum(
+    down: torch.Tensor,  # (M, top_k, H): GEMM2 output per route; rows of left-out routes are garbage
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out[t] = sum_k w[t,k] * down[t,k] over the routes to local experts (float32 sum)."""
+    valid = topk_ids >= 0
+    if expert_map is not None:
+        valid = valid & (expert_map[topk_ids.clamp(min=0).long()] >= 0)
+    y = torch.where(valid.unsqueeze(-1), down.float(), 0.0)
+    out.copy_((y * topk_weights.float().unsqueeze(-1)).sum(1))
+    return out
+
+
+def _vllm_align_fn(fn: Callable) -> Callable:
+    def align(topk_ids, block_size, num_experts, expert_map):
+        res = fn(topk_ids, block_size, num_experts, expert_map=expert_map, ignore_invalid_experts=True)
+        return res[0], res[1], res[2]
+
+    return align
+
+
+def _vllm_sum_fn(fn: Callable) -> Callable:
+    def weighted_sum(down, topk_weights, topk_ids, expert_map, out):
+        return fn(inputs=down, topk_weights=topk_weights, outputs=out, topk_ids=topk_ids, expert_map=expert_map)
+
+    return weighted_sum
+
+
+# ------------------------------------------------------------------ the backend
+
+
+@dataclass
+class HummingState:
+    """Humming's repacked weights and per-GEMM configs of one layer, plus what run needs."""
+
+    num_experts: int  # local experts
+    hidden: int
+    intermediate: int
+    act_dtype: torch.dtype
+    configs: dict[str, Any]  # "w13"/"w2" -> humming.config.LayerConfig
+    tensors: dict[str, dict[str, torch.Tensor]]  # "w13"/"w2" -> {"weight", "weight_scale", "zero_point"?}
+    tuning: dict[str, list]  # "w13"/"w2" -> [[min_m, max_m, tuning dict], ...] (M buckets)
+    tuning_str: dict[str, str]
+    compute_config_str: str
+    locks: torch.Tensor
+    humming_forward: Callable
+    may_process_input: Callable
+    align: Callable = torch_align
+    weighted_sum: Callable = torch_weighted_sum
+    pieces: str = "torch"  # "vllm" or "torch": which align / weighted sum run
+    warmup_s: float = 0.0  # the warm-up forward at prepare (Humming's JIT compile, first time per shape)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _block_m(tuning: list, valid_shape_m: int) -> int:
+    """The M block of the bucket that holds valid_shape_m (vLLM 0.34 prepare_humming_moe_kwargs)."""
+    for lo, hi, cfg in tuning:
+        if lo < valid_shape_m <= hi:
+            return int(cfg["block_shape"][0])
+    return 64
+
+
+def _as_int32(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    if t.storage_offset() % 4:
+        t = t.clone()
+    return t.view(torch.int32)
+
+
+def _to_humming(qweight, scales, qzeros, dtype) -> dict[str, torch.Tensor]:
+    """Kernel layout -> Humming's tensors (vLLM 0.34 `_convert_moe_wna16_humming_tensors`): views only."""
+    out = {"weight": _as_int32(qweight), "weight_scale": scales.to(dtype).contiguous()}  # (E, N, K*b/32) int32
+    if qzeros is not None:  # (E, N*b/8, G) uint8 -> (E, N*b/32, G) int32, packed along N
+        out["zero_point"] = _as_int32(qzeros.transpose(-1, -2)).transpose(-1, -2).contiguous()
+    return out
+
+
+class HummingBackend(Backend):
+    name = "humming"
+    description = (
+        "Humming kernels (humming-kernels 0.1.19; vLLM 0.34's default WNA16 MoE on sm90): "
+        "int4/int8, symmetric or zero points, groups >= 16 or channel-wise"
+    )
+
+    def incompatibility_reason(self, problem: MoEProblem) -> str | None:
+        if problem.platform != "cuda":
+            return f"needs an NVIDIA GPU (platform is {problem.platform})"
+        if problem.sm is not None and problem.sm < 75:
+            return f"needs sm75+, device is sm{problem.sm}"
+        if problem.act_dtype not in (torch.bfloat16, torch.float16):
+            return f"activations must be bf16 or fp16, got {problem.act_dtype}"
+        if problem.act_dtype == torch.bfloat16 and problem.sm is not None and problem.sm < 80:
+            return f"bf16 activations need sm80+, device is sm{problem.sm}"
+        if problem.scheme.bits not in (4, 8):
+            return f"int{problem.scheme.bits} is not supported (int4 or int8)"
+        if problem.has_g_idx:
+            return "act order (g_idx) is not supported by Humming"
+        if problem.apply_router_weight_on_input:
+            return "Humming MoE does not apply the router weight on the input"
+        if problem.activation not in ACTIVATIONS:
+            return f"activation {problem.activation!r} is not one of {list(ACTIVATIONS)}"
+        for what, size in (("hidden size", problem.hidden), ("intermediate size on this rank", problem.intermediate)):
+            if size % 8:
+                return f"{what} {size} is not a multiple of 8"
+        for name, gs, k in (
+            ("w13", problem.group_size_w13, problem.hidden),
+            ("w2", problem.group_size_w2, problem.intermediate),
+        ):
+            if gs == k:
+                continue  # channel-wise (Humming's group size 0)
+            if gs < MIN_GROUP or gs % MIN_GROUP:
+                return f"{name} group size {gs} is not a multiple of {MIN_GROUP} (nor channel-wise)"
+            if _round_up(k, PAD_K_TO) % gs:
+                return f"{name} group size {gs} does not divide K={k} padded to {_round_up(k, PAD_K_TO)}"
+        # zero points: the scheme's one flag covers both GEMMs; prepare checks the tensors agree
+        if problem.extra.get("plan_only"):
+            return None
+        return humming_api_error()
+
+    def prepare(self, problem: MoEProblem, tensors: KernelTensors) -> HummingState:
+        from humming import dtypes
+        from humming.config import GemmType
+        from humming.forward import humming_forward, may_process_input
+        from humming.schema import HummingInputSchema, HummingWeightSchema
+        from humming.transform import prepare_and_transform_humming_tensors
+        from humming.tune import get_heuristics_config
+
+        if sys.byteorder != "little":
+            raise NotImplementedError("the uint8 -> int32 re-view of the weights needs a little-endian host")
+        has_zp = tensors.w13_qzeros is not None
+        if has_zp != (tensors.w2_qzeros is not None) or has_zp != problem.scheme.has_zero_point:
+            raise ValueError(
+                f"zero points: scheme says {problem.scheme.has_zero_point}, w13 has "
+                f"{tensors.w13_qzeros is not None}, w2 has {tensors.w2_qzeros is not None}"
+            )
+        bits, dtype = problem.scheme.bits, problem.act_dtype
+        num_experts, hidden, inter = problem.num_experts, problem.hidden, problem.intermediate
+        device = tensors.w13_qweight.device
+        configs, humming_tensors, tuning = {}, {}, {}
+        with torch.cuda.device(device):
+            for name, qweight, scales, qzeros, shape_n, shape_k in (
+                ("w13", tensors.w13_qweight, tensors.w13_scales, tensors.w13_qzeros, 2 * inter, hidden),
+                ("w2", tensors.w2_qweight, tensors.w2_scales, tensors.w2_qzeros, hidden, inter),
+            ):
+                groups = scales.shape[-1]
+                schema = HummingWeightSchema(
+                    b_dtype=dtypes.DataType.from_str(f"uint{bits}"),
+                    weight_scale_group_size=0 if groups == 1 else shape_k // groups,  # 0: channel-wise
+                    has_zero_point=has_zp,
+                )
+                configs[name], humming_tensors[name] = prepare_and_transform_humming_tensors(
+                    tensors=_to_humming(qweight, scales, qzeros, dtype),
+                    shape_n=shape_n,
+                    shape_k=shape_k,
+                    pad_n_to_multiple=PAD_N_TO,
+                    pad_k_to_multiple=PAD_K_TO,
+                    input_schema=HummingInputSchema(),
+                    weight_schema=schema,
+                    has_bias=False,
+                    num_experts=num_experts,
+                    torch_dtype=dtype,
+                    device=device,
+                )
+                tuning[name] = get_heuristics_config(
+                    layer_config=configs[name],
+                    use_f16_accum=False,
+                    use_batch_invariant=False,
+                    gemm_type=GemmType.INDEXED,
+                    device=device,
+                )
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            state = HummingState(
+                num_experts=num_experts,
+                hidden=hidden,
+                intermediate=inter,
+                act_dtype=dtype,
+                configs=configs,
+                tensors=humming_tensors,
+                tuning=tuning,
+                tuning_str={k: json.dumps(v) for k, v in tuning.items()},
+                compute_config_str=json.dumps(
+                    {"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": GemmType.INDEXED.value}
+                ),
+                locks=torch.zeros(num_sms * 8, dtype=torch.int32, device=device),  # vLLM's create_humming_locks
+                humming_forward=humming_forward,
+                may_process_input=may_process_input,
+            )
+            self._warm_up(problem, state)
+        return state
+
+    def _warm_up(self, problem: MoEProblem, state: HummingState) -> None:
+        """One forward of one token: Humming compiles every M bucket's kernels now, not under graph capture."""
+        device = state.locks.device
+        pieces = _vllm.align_and_weighted_sum_pieces()
+        top_k = problem.top_k
+        x = torch.randn(1, state.hidden, device=device).to(state.act_dtype)
+        ids = (torch.arange(top_k, device=device, dtype=torch.int32) % state.num_experts).view(1, top_k)
+        weights = torch.full((1, top_k), 1.0 / top_k, device=device)
+        start = time.perf_counter()
+        if pieces["moe_align_block_size"] is not None and pieces["moe_fused_mul_sum"] is not None:
+            state.align = _vllm_align_fn(pieces["moe_align_block_size"])
+            state.weighted_sum = _vllm_sum_fn(pieces["moe_fused_mul_sum"])
+            state.pieces = "vllm"
+            try:
+                self._forward(state, x, weights, ids, problem.activation, None, state.num_experts)
+            except Exception as exc:  # noqa: BLE001 - vLLM installed without working ops: torch's
+                logger.warning(
+                    "humming: warm-up with vLLM's align/sum failed (%s: %s); retrying with torch's",
+                    type(exc).__name__,
+                    exc,
+                )
+                state.align, state.weighted_sum, state.pieces = torch_align, torch_weighted_sum, "torch"
+        if state.pieces == "torch":
+            self._forward(state, x, weights, ids, problem.activation, None, state.num_experts)
+        self._warm_up_input_processing(problem, state)
+        torch.cuda.synchronize(device)
+        state.warmup_s = time.perf_counter() - start
+        logger.info("humming: %s prepared, warm-up forward %.1f s", problem.describe(), state.warmup_s)
+
+    @staticmethod
+    def _warm_up_input_processing(problem: MoEProblem, state: HummingState) -> None:
+        """Humming picks programmatic dependent launch for its activation kernel by M on some GPUs
+        (never on sm90) and compiles each choice apart: compile every choice it can make now."""
+        try:
+            from humming.tune import get_heuristics_class
+
+            heuristics = get_heuristics_class(state.locks.device)
+            choices = {bool(heuristics.should_use_pdl_for_input(state.configs["w2"], m)) for m in (1, 1 << 20)}
+        except Exception:  # noqa: BLE001 - a later humming may decide otherwise; the forward warmed its default
+            return
+        if len(choices) < 2:
+            return
+        device = state.locks.device
+        gate_up = torch.randn(1, 2 * state.intermediate, device=device).to(state.act_dtype)
+        act = torch.empty(1, state.intermediate, device=device, dtype=state.act_dtype)
+        for use_pdl in sorted(choices):
+            state.may_process_input(
+                state.configs["w2"],
+                inputs=gate_up,
+                outputs=act,
+                hadamard_block_size=0,
+                layout="normal",
+                use_pdl=use_pdl,
+                **ACTIVATIONS[problem.activation],
+            )
+
+    def run(self, problem: MoEProblem, state: HummingState, x, topk_weights, topk_ids, *, expert_map=None):
+        if problem.apply_router_weight_on_input:
+            raise ValueError("humming: apply_router_weight_on_input is not supported")
+        global_num_experts = state.num_experts if expert_map is None else int(expert_map.numel())
+        return self._forward(state, x, topk_weights, topk_ids, problem.activation, expert_map, global_num_experts)
+
+    @staticmethod
+    def _forward(
+        state: HummingState,
+        x: torch.Tensor,  # (..., H) in state.act_dtype
+        topk_weights: torch.Tensor,  # (M, top_k)
+        topk_ids: torch.Tensor,  # (M, top_k), global ids when expert_map is given
+        activation: str,
+        expert_map: torch.Tensor | None,  # (global E,) local id or -1
+        global_num_experts: int,
+    ) -> torch.Tensor:
+        """vLLM 0.34 HummingIndexedExperts.apply, without its workspace manager."""
+        hidden, inter = state.hidden, state.intermediate
+        lead = x.shape[:-1]
+        x = x.reshape(-1, hidden).contiguous()
+        m = x.shape[0]
+        if m == 0:
+            return x.new_empty((*lead, hidden))
+        top_k = topk_ids.shape[-1]
+        topk_ids = topk_ids.reshape(m, top_k).to(torch.int32).contiguous()
+        topk_weights = topk_weights.reshape(m, top_k).contiguous()
+        # estimate_local_valid_shape_m: picks the M bucket (kernel and alignment block) of both GEMMs
+        valid_shape_m = math.ceil(m * top_k * state.num_experts / global_num_experts)
+        bs13 = _block_m(state.tuning["w13"], valid_shape_m)
+        bs2 = _block_m(state.tuning["w2"], valid_shape_m)
+        sorted13, experts13, padded13 = state.align(topk_ids, bs13, global_num_experts, expert_map)
+        if bs2 == bs13:
+            sorted2, experts2, padded2 = sorted13, experts13, padded13
+        else:
+            sorted2, experts2, padded2 = state.align(topk_ids, bs2, global_num_experts, expert_map)
+
+        gate_up = torch.empty((m * top_k, 2 * inter), dtype=x.dtype, device=x.device)
+        act = torch.empty((m * top_k, inter), dtype=x.dtype, device=x.device)
+        down = torch.empty((m * top_k, hidden), dtype=x.dtype, device=x.device)
+        common = dict(
+            bias=None,
+            weight_scale_2=None,
+            input_scale=None,
+            input_scale_2=None,
+            locks=state.locks,
+            compute_config=state.compute_config_str,
+            valid_shape_m=valid_shape_m,
+        )
+        t13, t2 = state.tensors["w13"], state.tensors["w2"]
+        state.humming_forward(
+            state.configs["w13"],
+            inputs=x,
+            weight=t13["weight"],
+            weight_scale=t13["weight_scale"],
+            zero_point=t13.get("zero_point"),
+            outputs=gate_up,
+            sorted_ids=sorted13,
+            expert_ids=experts13,
+            num_tokens_padded=padded13,
+            top_k=top_k,
+            tuning_config=state.tuning_str["w13"],
+            **common,
+        )
+        act, _, _ = state.may_process_input(
+            state.configs["w2"],
+            inputs=gate_up,
+            outputs=act,
+            token_scales=None,
+            hadamard_block_size=0,
+            layout="normal",
+            expert_tokens=None,
+            scatter_idx=None,
+            num_valid_tokens=None,
+            **ACTIVATIONS[activation],
+        )
+        state.humming_forward(
+            state.configs["w2"],
+            inputs=act,
+            weight=t2["weight"],
+            weight_scale=t2["weight_scale"],
+            zero_point=t2.get("zero_point"),
+            outputs=down,
+            sorted_ids=sorted2,
+            expert_ids=experts2,
+            num_tokens_padded=padded2,
+            top_k=1,
+            tuning_config=state.tuning_str["w2"],
+            **common,
+        )
+        out = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
+        state.weighted_sum(down.view(m, top_k, hidden), topk_weights, topk_ids, expert_map, out)
+        return out.view(*lead, hidden)

@@ -33,6 +33,16 @@ def _skip(reason: str):
     return [], {}
 
 
+def _torch_cxx_standard() -> str:
+    """The C++ standard torch's BuildExtension compiles extensions with ("17", "20"), read from its source."""
+    import re
+
+    import torch.utils.cpp_extension as cpp
+
+    found = re.search(r"cpp_flag_prefix \+ 'c\+\+(\d\d)'", Path(cpp.__file__).read_text())
+    return found.group(1) if found else "?"
+
+
 def cuda_extension():
     """([CUDAExtension], cmdclass), or ([], {}) with a log line saying why not."""
     if os.environ.get("WNA16_PLUS_SKIP_CUDA") == "1":
@@ -50,7 +60,7 @@ def cuda_extension():
         return _skip("no CUDA toolkit (nvcc) found; set CUDA_HOME")
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0;10.0")
     _note(f"building the CUDA ops for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']} "
-          f"(torch {torch.__version__}, CUDA_HOME={CUDA_HOME})")  # fmt: skip
+          f"(torch {torch.__version__}, C++{_torch_cxx_standard()}, CUDA_HOME={CUDA_HOME})")  # fmt: skip
     # torch 2.11's cpp_extension no longer passes the C++ ABI; pass torch's, whatever the compiler's default
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     # Link the shared libstdc++ by name. On the GPU machine's image (2026-12-03) g++ linked libstdc++
@@ -70,7 +80,9 @@ def cuda_extension():
             "csrc/moe_align.cu",
         ],
         include_dirs=[str(ROOT / "csrc")],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17", abi], "nvcc": ["-O3", "-std=c++17", "-lineinfo", abi]},
+        # No -std flag of ours: torch's BuildExtension adds the standard its headers need (C++17 up to
+        # torch 2.12, C++20 from 2.13) when none is given, and nvcc refuses two -std flags.
+        extra_compile_args={"cxx": ["-O3", abi], "nvcc": ["-O3", "-lineinfo", abi]},
         extra_link_args=link,
         py_limited_api=False,
     )

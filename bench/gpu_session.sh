@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU-machine session: bring vLLM 0.26 (the .vb bundle), install the plugin (entry point), then run
-# the steps named on the command line. Logs and results go to $OUT (the device tool brings back at most
+# One GPU-machine session: bring vLLM (the bundle in $VB: .vb = 0.26.0 by default, VB=.vb34 for 0.34.0),
+# install the plugin (entry point), then run the steps named on the command line. Logs and results go to $OUT (the device tool brings back at most
 # 8 files, 2 folders deep).
 #   BENCH_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh tests e2e   # run from here, in the command
 #   bash bench/gpu_session.sh tune bench                  # tune Triton configs, then the layer benchmark
@@ -8,6 +8,7 @@
 #   E2E_JOBS=8 bash bench/gpu_session.sh e2e               # 8 LLM(...) runs share the GPU at a time
 #   E2E_JOBS=12 bash bench/gpu_session.sh e2e-par          # the whole tier, two pytest processes side by side
 #   bash bench/gpu_session.sh probe inspect               # CUDA op refusals; vLLM's inspection subprocess
+#   VB=.vb34 bash bench/gpu_session.sh tests-par e2e-par   # on vLLM 0.34 (carry .vb34/part-1, .vb34/install.sh, .hw)
 #   bash bench/gpu_session.sh e2e-bench                   # bench/e2e.py (offline throughput)
 #   BREAKDOWN_ARGS='--m 2,8' bash bench/gpu_session.sh breakdown   # kernel times of a layer call
 #   FLOOR_ARGS='--experts 2,8' bash bench/gpu_session.sh floor      # the read floor of a call's bytes
@@ -16,10 +17,18 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export BENCH_COMMIT=${BENCH_COMMIT:-}  # names the commit in result files (else git HEAD)
-source .vb/install.sh >/dev/null 2>/tmp/install.log || { cat /tmp/install.log; exit 1; }
+VB=${VB:-.vb}
+source "$VB/install.sh" >/dev/null 2>/tmp/install.log || { cat /tmp/install.log; exit 1; }
+python3 -c "import vllm, torch; print('vLLM', vllm.__version__, 'on torch', torch.__version__, '(bundle $VB)')"
+# humming-kernels (vLLM 0.34's first choice on sm90; the plugin's `humming` backend), carried as a wheel in .hw
+if ls .hw/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-hw .hw/*.whl \
+    && export PYTHONPATH=/tmp/site-hw${PYTHONPATH:+:$PYTHONPATH}
+fi
 # The bundle has no flash-attn kernels, and vllm/vllm_flash_attn raises ImportError at import when they
 # are missing; vLLM 0.26's Qwen3-MoE module imports it (through mm_encoder_attention), so LLM(...) failed
 # in model inspection. The runs here use TRITON_ATTN and never call flash-attn: let the import succeed.
+# (bench/vllm_bundle/ bundles, e.g. 0.34.0's, come with this guard already turned off.)
 fa=$(python3 -c "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])")/vllm_flash_attn/__init__.py
 sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:  # gpu_session.sh: bundle without flash-attn kernels/' "$fa"
 # builds csrc/ for sm90 on the machine's 16 cores (the `cuda` backend); the log says if it could not.

@@ -161,6 +161,22 @@ def test_bad_bits_and_sizes_are_value_errors():
         cuda_block_config(0, 1, 8, 2048, 1024, 128, 4)
 
 
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ((1, 8, 32, 2048, 1024, 0, 4), r"group_size=0 is not supported; use a positive group size or -1"),
+        (("1", 8, 32, 2048, 1024, 32, 4), r"num_tokens='1' must be an int, not str"),
+        ((1.5, 8, 32, 2048, 1024, 32, 4), r"num_tokens=1.5 must be an int, not float"),
+        ((1, 8, 32, 2048, 1024, None, 4), r"group_size=None must be an int, not NoneType"),
+        ((1, 8, 32, 2048, 1024, 32, True), r"bits=True must be an int, not bool"),
+    ],
+)
+def test_wrong_types_and_a_zero_group_are_value_errors(args, match):
+    """Found by fuzzing: these were a ZeroDivisionError, TypeErrors, and a float BLOCK_SIZE_M of 1.5."""
+    with pytest.raises(ValueError, match=match):
+        cuda_block_config(*args)
+
+
 def test_cuda_group_reason_names_what_the_cuda_configs_cannot_take():
     from vllm_wna16_plugin.block_config import cuda_group_reason
 

@@ -139,6 +139,12 @@ def choose_cuda_block_config(
     num_tokens: int, top_k: int, num_experts: int, size_k: int, size_n: int, group_size: int, bits: int
 ) -> BlockConfig:
     """A legal BlockConfig for one GEMM; see `cuda_block_config`."""
+    given = dict(num_tokens=num_tokens, top_k=top_k, num_experts=num_experts, size_k=size_k, size_n=size_n)
+    for name, value in {**given, "group_size": group_size, "bits": bits}.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name}={value!r} must be an int, not {type(value).__name__}")
+    if group_size != -1 and group_size <= 0:
+        raise ValueError(f"group_size={group_size} is not supported; use a positive group size or -1 (channel-wise)")
     if bits not in (4, 8):
         raise ValueError(f"bits={bits} is not supported; supported: 4, 8")
     if num_tokens <= 0 or top_k <= 0 or num_experts <= 0 or size_k <= 0 or size_n <= 0:

@@ -12,52 +12,40 @@ import torch
 
 from vllm_wna16_plugin import _vllm
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, registry
+from vllm_wna16_plugin.inputs import (
+    check_layer_tensors,
+    check_routing_values,
+    check_weights_contiguous,
+    global_expert_count,
+    routing_contiguous,
+)
 from vllm_wna16_plugin.oracle import select_backend
-from vllm_wna16_plugin.scheme import CHANNELWISE, PackFormat, WNA16Scheme
-
-
-def _group_size_of(name: str, size_k: int, scales: torch.Tensor, group_size: int) -> int:
-    groups = scales.shape[-1]
-    if groups <= 0 or size_k % groups:
-        raise ValueError(f"{name}: {groups} scale groups do not divide K={size_k}")
-    actual = size_k // groups
-    if group_size == CHANNELWISE:
-        if groups != 1:
-            raise ValueError(f"{name}: group_size=-1 (channel-wise) needs a last scale dim of 1, got {groups}")
-    elif group_size % actual or actual > group_size:
-        raise ValueError(f"{name}: scales imply group size {actual}, inconsistent with group_size={group_size}")
-    return actual
+from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
 
 
 def make_problem(
     x, w13_qweight, w2_qweight, w13_scales, w2_scales, topk_ids, *, bits, group_size, has_zero_point,
-    activation="silu", apply_router_weight_on_input=False, global_num_experts=-1,
+    activation="silu", apply_router_weight_on_input=False, global_num_experts=-1, topk_weights=None,
+    w13_qzeros=None, w2_qzeros=None, expert_map=None,
 ) -> MoEProblem:  # fmt: skip
-    """The MoEProblem described by kernel-layout tensors; shape errors are ValueErrors, before any launch."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be (M, H), got {tuple(x.shape)}")
-    e, n13, k13 = w13_qweight.shape
-    hidden = k13 * 8 // bits
-    if hidden != x.shape[1]:
-        raise ValueError(f"w13_qweight (E, 2I, H*bits/8)={tuple(w13_qweight.shape)} does not match x H={x.shape[1]}")
-    if n13 % 2:
-        raise ValueError(f"w13_qweight rows (2I) must be even, got {n13}")
-    inter = n13 // 2
-    if tuple(w2_qweight.shape) != (e, hidden, inter * bits // 8):
-        raise ValueError(f"w2_qweight must be {(e, hidden, inter * bits // 8)}, got {tuple(w2_qweight.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"topk_ids must be (M, top_k) with M={x.shape[0]}, got {tuple(topk_ids.shape)}")
-    gne = e if global_num_experts in (-1, None) else int(global_num_experts)
+    """The MoEProblem described by kernel-layout tensors; every shape, dtype and device is checked
+    (inputs.check_layer_tensors: ValueError naming the argument) before any launch. Metadata only."""
+    if topk_weights is None:  # callers that plan without routing weights (tests, the crossover)
+        topk_weights = torch.empty(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
+    shape = check_layer_tensors(
+        x, w13_qweight, w2_qweight, w13_scales, w2_scales, topk_weights, topk_ids, bits=bits,
+        group_size=group_size, w13_qzeros=w13_qzeros, w2_qzeros=w2_qzeros, expert_map=expert_map,
+    )  # fmt: skip
     platform, sm = _vllm.platform_summary() if x.is_cuda else ("cpu", None)
     return MoEProblem(
         scheme=WNA16Scheme(bits, group_size, has_zero_point, PackFormat.GPTQ, source="moe_wna16 layout"),
-        hidden=hidden,
-        intermediate=inter,
-        num_experts=e,
-        global_num_experts=gne,
-        top_k=topk_ids.shape[1],
-        group_size_w13=_group_size_of("w13_scales", hidden, w13_scales, group_size),
-        group_size_w2=_group_size_of("w2_scales", inter, w2_scales, group_size),
+        hidden=shape.hidden,
+        intermediate=shape.intermediate,
+        num_experts=shape.num_experts,
+        global_num_experts=global_expert_count(shape.num_experts, expert_map, global_num_experts),
+        top_k=shape.top_k,
+        group_size_w13=shape.group_size_w13,
+        group_size_w2=shape.group_size_w2,
         act_dtype=x.dtype,
         activation=activation,
         platform=platform,
@@ -93,15 +81,20 @@ def fused_moe_wna16(
     switch (None: the hardware gate decides). A backend that cannot run the
     problem raises ValueError with the reason (no launch happens).
     """
-    if (w13_qzeros is None) != (w2_qzeros is None):
-        raise ValueError("give zero points for both GEMMs or for neither")
-    if global_num_experts == -1 and expert_map is not None:
-        global_num_experts = expert_map.numel()  # topk_ids are global ids: the map's length counts them
     problem = make_problem(
         x, w13_qweight, w2_qweight, w13_scales, w2_scales, topk_ids, bits=bits, group_size=group_size,
         has_zero_point=w13_qzeros is not None, activation=activation,
         apply_router_weight_on_input=apply_router_weight_on_input, global_num_experts=global_num_experts,
+        topk_weights=topk_weights, w13_qzeros=w13_qzeros, w2_qzeros=w2_qzeros, expert_map=expert_map,
     )  # fmt: skip
+    check_weights_contiguous(
+        w13_qweight=w13_qweight, w2_qweight=w2_qweight, w13_scales=w13_scales, w2_scales=w2_scales,
+        w13_qzeros=w13_qzeros, w2_qzeros=w2_qzeros,
+    )  # fmt: skip
+    check_routing_values(
+        topk_ids, expert_map, num_experts=problem.num_experts, global_experts=problem.global_num_experts
+    )
+    x, topk_weights, topk_ids, expert_map = routing_contiguous(x, topk_weights, topk_ids, expert_map)
     if use_td is not None:
         problem.extra["use_td"] = use_td
     if backend not in ("auto", *registry()):

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_wna16_plugin.scheme import SUPPORTED_BITS
+
 # AWQ's GEMM kernels store the 8 nibbles of a word in this order of output columns.
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -98,6 +100,14 @@ def unpack_along(words: torch.Tensor, bits: int, dim: int, word_bits: int, order
 
 def quantize_rtn(w: torch.Tensor, bits: int, group_size: int, has_zero_point: bool) -> QuantizedWeight:
     """Round-to-nearest quantization of float weights (..., N, K); group_size -1 = channel-wise."""
+    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; supported: {list(SUPPORTED_BITS)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or (group_size <= 0 and group_size != -1):
+        raise ValueError(f"group_size={group_size!r} is not supported; use a positive int or -1 (channel-wise)")
+    if w.dim() < 2 or not w.dtype.is_floating_point:
+        raise ValueError(f"w must be float weights (..., N, K), got {tuple(w.shape)} {w.dtype}")
+    if not torch.isfinite(w).all():
+        raise ValueError("w holds NaN or Inf: there is no scale that quantizes it")
     *lead, n, k = w.shape
     gs = k if group_size == -1 else group_size
     if k % gs:
@@ -143,6 +153,9 @@ class KernelWeights:
 
 
 def to_kernel_layout(qw: QuantizedWeight, dtype: torch.dtype | None = None) -> KernelWeights:
+    """The kernel layout of qw, scales in `dtype` (a float dtype; default: as they are)."""
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} must be a float dtype (the scales' dtype, e.g. torch.bfloat16)")
     qweight = pack_along(qw.q, qw.bits, dim=-1, word_bits=8)
     qzeros = None
     if qw.zeros is not None:

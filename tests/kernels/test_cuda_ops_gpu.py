@@ -18,6 +18,7 @@ import torch
 
 from tests.kernels.conftest import assert_close_scaled, make_moe_problem, quantized_experts
 from vllm_wna16_plugin.kernels.cuda_ops import extension_error, fused_moe_wna16_cuda, invoke_moe_wna16_gemm
+from vllm_wna16_plugin.ops import fused_moe_wna16
 from vllm_wna16_plugin.reference import dequantize_ref, fused_moe_wna16_ref
 
 pytestmark = [
@@ -332,9 +333,9 @@ def test_bad_input_is_refused_before_the_launch():
     p = make_moe_problem(M=2, H=256, I=128, E=4, top_k=2, bits=4, gs1=32, seed=5)
     args, kw = _cuda(p)
     bad_ids = args[6].clone()
-    bad_ids[0, 0] = 4  # E = 4: out of range
-    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
-        fused_moe_wna16_cuda(*args[:6], bad_ids, **kw, align_fn=_align())
+    bad_ids[0, 0] = 4  # E = 4: out of range; checked by the functional API (inputs.py), not per launch
+    with pytest.raises(ValueError, match=r"topk_ids holds expert id 4, outside \[0, 4\)"):
+        fused_moe_wna16(*args[:6], bad_ids, **kw, group_size=32, backend="cuda")
     wrong_dtype = list(args)
     wrong_dtype[3] = args[3].float()  # scales in float32, activations in bf16
     with pytest.raises(RuntimeError, match=r"scales must be an \(E=4, N=256, G\) tensor in a's dtype"):

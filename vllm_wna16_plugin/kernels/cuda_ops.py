@@ -276,15 +276,6 @@ def invoke_moe_wna16_gemm(
     return c
 
 
-def check_topk_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """Refuse expert ids outside [0, num_experts) before any launch. It reads them on the host (a sync),
-    so it is skipped while a CUDA graph is captured, where vLLM's own router produced the ids."""
-    if topk_ids.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= num_experts):
-        raise ValueError(f"topk_ids must lie in [0, {num_experts}), got [{int(topk_ids.min())}, {int(topk_ids.max())}]")
-
-
 def fused_moe_wna16_cuda(
     x: torch.Tensor,  # (M, H) bf16/fp16
     w13_qweight: torch.Tensor,  # (E, 2I, H*bits/8) uint8
@@ -320,7 +311,10 @@ def fused_moe_wna16_cuda(
     hidden, inter = x.shape[1], two_i // 2
     if global_num_experts == -1:
         global_num_experts = expert_map.numel() if expert_map is not None else num_experts
-    check_topk_ids(topk_ids, global_num_experts)
+    # ids are not range-checked here (a host sync per call): ops.fused_moe_wna16 checks them (inputs.py),
+    # and inside the layer vLLM's router produced them
+    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()  # read as ptr + pair
+    expert_map = None if expert_map is None else expert_map.contiguous()
     out = torch.empty_like(x)
     if m == 0:
         return out

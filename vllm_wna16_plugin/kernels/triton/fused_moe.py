@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_wna16_plugin.inputs import check_layer_tensors, routing_contiguous
 from vllm_wna16_plugin.kernels.align import moe_align_block_size_torch
 from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton, moe_sum_triton
 from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig, get_triton_moe_config
@@ -775,24 +776,6 @@ def invoke_wna16_gemm(
     return c
 
 
-def _check_weights(name: str, qweight, scales, qzeros, bits: int, K: int) -> None:
-    if qweight.dtype != torch.uint8 or qweight.dim() != 3:
-        raise ValueError(f"{name}_qweight must be (E, N, K*bits/8) uint8, got {tuple(qweight.shape)} {qweight.dtype}")
-    E, N, KB = qweight.shape
-    if KB * 8 != K * bits:
-        raise ValueError(f"{name}_qweight has {KB} bytes per row but K={K} int{bits} needs {K * bits // 8}")
-    if qweight.stride(-1) != 1:
-        raise ValueError(f"{name}_qweight must be contiguous along K (stride(-1)={qweight.stride(-1)})")
-    if scales.dim() != 3 or tuple(scales.shape[:2]) != (E, N):
-        raise ValueError(f"{name}_scales must be (E={E}, N={N}, K/group_size), got {tuple(scales.shape)}")
-    if K % scales.shape[-1]:
-        raise ValueError(f"{name}_scales has {scales.shape[-1]} groups, which does not divide K={K}")
-    if qzeros is not None:
-        want = (E, N * bits // 8, scales.shape[-1])
-        if qzeros.dtype != torch.uint8 or tuple(qzeros.shape) != want:
-            raise ValueError(f"{name}_qzeros must be {want} uint8, got {tuple(qzeros.shape)} {qzeros.dtype}")
-
-
 def _as_pair(configs) -> tuple[TritonMoEConfig | None, TritonMoEConfig | None]:
     if configs is None:
         return None, None
@@ -838,25 +821,19 @@ def fused_moe_wna16_triton(
     (which also sums GEMM1's split-K partials), GEMM2, and the top-k sum (which sums
     GEMM2's partials; skipped when top_k == 1 and GEMM2 is unsplit: GEMM2 writes `out`).
     """
-    if bits not in (4, 8):
-        raise ValueError(f"bits={bits} is not supported; supported: [4, 8]")
+    shape = check_layer_tensors(
+        x, w13_qweight, w2_qweight, w13_scales, w2_scales, topk_weights, topk_ids, bits=bits,
+        group_size=None, w13_qzeros=w13_qzeros, w2_qzeros=w2_qzeros, expert_map=expert_map,
+    )  # fmt: skip
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not supported; supported: {list(ACTIVATIONS)}")
-    if x.dim() != 2 or x.dtype not in _COMPUTE_TYPES:
-        raise ValueError(f"x must be (M, H) bfloat16 or float16, got {tuple(x.shape)} {x.dtype}")
-    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
-            f"must both be (M={x.shape[0]}, top_k)"
-        )
+    if x.dtype not in _COMPUTE_TYPES:
+        raise ValueError(f"x must be bfloat16 or float16, got {x.dtype}")
+    for name, t in (("w13_qweight", w13_qweight), ("w2_qweight", w2_qweight)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along K (stride(-1)={t.stride(-1)})")
     M, H = x.shape
-    top_k = topk_ids.shape[1]
-    E, two_i, _ = w13_qweight.shape
-    inter = two_i // 2
-    _check_weights("w13", w13_qweight, w13_scales, w13_qzeros, bits, H)
-    _check_weights("w2", w2_qweight, w2_scales, w2_qzeros, bits, inter)
-    if two_i % 2 or w2_qweight.shape[:2] != (E, H):
-        raise ValueError(f"w2_qweight {tuple(w2_qweight.shape)} does not match w13 (E={E}, 2I={two_i}) and H={H}")
+    top_k, E, two_i, inter = shape.top_k, shape.num_experts, 2 * shape.intermediate, shape.intermediate
     if w13_scales.dtype != x.dtype or w2_scales.dtype != x.dtype:
         raise ValueError(f"scales must be in x.dtype={x.dtype}, got {w13_scales.dtype} / {w2_scales.dtype}")
     if out is None:
@@ -880,9 +857,9 @@ def fused_moe_wna16_triton(
     cfg1 = cfg1 or get_triton_moe_config(M, E, two_i, H, top_k, H // w13_scales.shape[-1], bits, device_name)
     cfg2 = cfg2 or get_triton_moe_config(M, E, H, inter, top_k, inter // w2_scales.shape[-1], bits, device_name)
 
-    x = x if x.stride(1) == 1 else x.contiguous()
-    weights_flat = topk_weights.reshape(-1)
-    ids_flat = topk_ids.reshape(-1)
+    x, topk_weights, topk_ids, expert_map = routing_contiguous(x, topk_weights, topk_ids, expert_map)
+    weights_flat = topk_weights.view(-1)  # the kernels index pairs as ptr + pair: contiguous only
+    ids_flat = topk_ids.view(-1)
     num_pairs = M * top_k
 
     def gemm(a, qweight, scales, qzeros, c, cfg, a_rows_div, mul_weight, aligned_by):

@@ -381,6 +381,55 @@ def test_ct_experts_with_mixed_projection_schemes_fail_like_vllm():
         parsed.scheme_for("model.layers.0.mlp.experts")
 
 
+def _ct_two_groups(targets_0, targets_1, bits_1=8):
+    int4 = {**_CT_WEIGHTS_DEFAULTS, "num_bits": 4, "group_size": 32, "strategy": "group", "symmetric": True}
+    other = {**int4, "num_bits": bits_1}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {"targets": targets_0, "weights": int4, "input_activations": None},
+            "group_1": {"targets": targets_1, "weights": other, "input_activations": None},
+        },
+        "ignore": ["lm_head"],
+    }
+
+
+def test_ct_same_target_in_two_groups_with_different_schemes_is_refused():
+    # vLLM's target map keeps the later group silently; the checkpoint does not say which was applied.
+    with pytest.raises(
+        ValueError,
+        match=r"config_groups\.group_0 and config_groups\.group_1 both target 'Linear' with different schemes "
+        r"\(compressed-tensors int4 group 32 symmetric vs compressed-tensors int8 group 32 symmetric\)",
+    ):
+        parse_compressed_tensors(_ct_two_groups(["Linear"], ["Linear"]))
+    same = parse_compressed_tensors(_ct_two_groups(["Linear"], ["Linear"], bits_1=4))
+    assert same.scheme_for("model.layers.0.mlp.experts").bits == 4
+
+
+def test_ct_overlapping_regex_groups_with_different_schemes_are_refused():
+    cfg = parse_compressed_tensors(_ct_two_groups([r"re:.*experts.*"], [r"re:.*mlp\..*"]))
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj: quantization_config\.config_groups give it "
+        r"different schemes \(config_groups\.group_0 \(target 're:\.\*experts\.\*'\): compressed-tensors int4.*"
+        r"config_groups\.group_1 \(target 're:\.\*mlp\\\\\.\.\*'\): compressed-tensors int8",
+    ):
+        cfg.scheme_for("model.layers.0.mlp.experts")
+    # a module only one group reaches is unambiguous
+    assert cfg.scheme_for("model.layers.0.mlp.gate_up_proj").bits == 8
+    # overlapping targets of one scheme are not a conflict
+    agree = parse_compressed_tensors(_ct_two_groups([r"re:.*experts.*"], [r"re:.*mlp\..*"], bits_1=4))
+    assert agree.scheme_for("model.layers.0.mlp.experts").bits == 4
+
+
+def test_ct_name_target_beats_class_target_as_in_vllm():
+    # Different precedence levels are not ambiguous: vLLM matches names/regexes before class names.
+    cfg = parse_compressed_tensors(_ct_two_groups(["Linear"], [r"re:.*experts.*"]))
+    assert cfg.scheme_for("model.layers.0.mlp.experts").bits == 8
+    assert cfg.scheme_for("model.layers.0.self_attn.o_proj").bits == 4
+
+
 def test_ct_fused_ignore_needs_all_shards():
     cfg = parse_compressed_tensors({**CT_GS128_ASYM, "ignore": ["model.layers.0.self_attn.q_proj"]})
     with pytest.raises(ValueError, match="ignore status"):
@@ -464,7 +513,16 @@ BAD_CONFIGS = [
         id="gptq-bits3",
     ),
     pytest.param({**GPTQ_INT8, "bits": 2}, r"bits=2 is not supported; supported: 4, 8", id="gptq-bits2"),
-    pytest.param({**GPTQ_INT8, "bits": "4"}, r"bits='4' is not supported", id="gptq-bits-str"),
+    pytest.param(
+        {**GPTQ_INT8, "bits": "4"},
+        re.escape("quantization_config.bits='4' is a string, not an int; supported: 4, 8"),
+        id="gptq-bits-str",
+    ),
+    pytest.param({**GPTQ_INT8, "bits": True}, r"bits=True is a bool, not an int; supported: 4, 8", id="gptq-bits-bool"),
+    pytest.param({**GPTQ_INT8, "bits": [4]}, r"bits=\[4\] is a list, not an int", id="gptq-bits-list"),
+    pytest.param({**GPTQ_INT8, "bits": 2**70}, rf"bits={2**70} is not supported; supported: 4, 8", id="gptq-bits-huge"),
+    pytest.param({**GPTQ_INT8, "group_size": "128"}, r"group_size='128' is a string, not an int", id="gptq-gs-str"),
+    pytest.param({**GPTQ_INT8, "sym": 1}, r"sym=1 is an int, not a bool; supported: true, false", id="gptq-sym-int"),
     pytest.param(
         {**GPTQ_INT8, "group_size": 0},
         r"group_size=0 is not supported; supported: a positive int",
@@ -475,8 +533,8 @@ BAD_CONFIGS = [
         r"group_size=-2 is not supported.*-1 \(channel-wise\)",
         id="gptq-gs-neg",
     ),
-    pytest.param({**GPTQ_INT8, "group_size": 128.0}, r"group_size=128\.0 is not an int", id="gptq-gs-float"),
-    pytest.param({**GPTQ_INT8, "group_size": None}, r"group_size=None is not an int", id="gptq-gs-none"),
+    pytest.param({**GPTQ_INT8, "group_size": 128.0}, r"group_size=128\.0 is a float, not an int", id="gptq-gs-float"),
+    pytest.param({**GPTQ_INT8, "group_size": None}, r"group_size=None is null, not an int", id="gptq-gs-none"),
     pytest.param(
         _without(GPTQ_INT8, "bits"),
         r"quantization_config\.bits is missing; supported: 4, 8",
@@ -484,7 +542,7 @@ BAD_CONFIGS = [
     ),
     pytest.param(_without(GPTQ_INT8, "group_size"), r"quantization_config\.group_size is missing", id="gptq-no-gs"),
     pytest.param(_without(GPTQ_INT8, "sym"), r"quantization_config\.sym is missing", id="gptq-no-sym"),
-    pytest.param({**GPTQ_INT8, "sym": "yes"}, r"sym='yes' is not a bool", id="gptq-sym-str"),
+    pytest.param({**GPTQ_INT8, "sym": "yes"}, r"sym='yes' is a string, not a bool", id="gptq-sym-str"),
     pytest.param(
         {**GPTQ_INT8, "checkpoint_format": "marlin"},
         r"checkpoint_format='marlin' is not a supported GPTQ checkpoint format; supported: 'gptq', 'gptq_v2'",
@@ -517,6 +575,22 @@ BAD_CONFIGS = [
         id="awq-int8",
     ),
     pytest.param({**AUTOAWQ_SPELLING, "w_bit": 3}, r"w_bit=3 is not supported; supported: 4", id="awq-wbit3"),
+    pytest.param(
+        {**MIXTRAL_AWQ_THEBLOKE, "w_bit": 8},
+        re.escape("quantization_config.bits=4 and quantization_config.w_bit=8 disagree")
+        + r".*supported: only one of them, or the same value in both",
+        id="awq-bits-vs-w_bit",
+    ),
+    pytest.param(
+        {**MIXTRAL_AWQ_THEBLOKE, "q_group_size": 64},
+        re.escape("quantization_config.group_size=128 and quantization_config.q_group_size=64 disagree"),
+        id="awq-group_size-vs-q_group_size",
+    ),
+    pytest.param(
+        {**MIXTRAL_AWQ_THEBLOKE, "w_bit": 4.0},
+        re.escape("quantization_config.bits=4 and quantization_config.w_bit=4.0 disagree"),
+        id="awq-w_bit-float-spelling",
+    ),
     pytest.param(
         {**MIXTRAL_AWQ_THEBLOKE, "version": "gemv"},
         r"version='gemv' is not supported \(only GEMM packing.*re-export the checkpoint with version='gemm'\)",
@@ -568,14 +642,33 @@ BAD_CONFIGS = [
         W + r"group_size=-1 is not supported with strategy='group'",
         id="ct-group-minus1",
     ),
-    pytest.param(_ct_with_weights(group_size=None), W + r"group_size=None is not an int", id="ct-group-none"),
+    pytest.param(_ct_with_weights(group_size=None), W + r"group_size=None is null, not an int", id="ct-group-none"),
     pytest.param(
         _ct_with_weights(strategy="channel", group_size=128),
         W + r"group_size=128 contradicts strategy='channel'",
         id="ct-channel-gs",
     ),
     pytest.param(_ct_with_weights(strategy=None, group_size=None), W + r"strategy is missing", id="ct-no-strategy"),
-    pytest.param(_ct_with_weights(symmetric="no"), W + r"symmetric='no' is not a bool", id="ct-sym-str"),
+    pytest.param(_ct_with_weights(symmetric="no"), W + r"symmetric='no' is a string, not a bool", id="ct-sym-str"),
+    pytest.param(
+        _ct_with_weights(dynamic=True),
+        W + r"dynamic=True is not supported \(dynamic weights have no scales.*static.*\); supported: false",
+        id="ct-dynamic-weights",
+    ),
+    pytest.param(_ct_with_weights(dynamic="local"), W + r"dynamic='local' is not supported", id="ct-dynamic-local"),
+    pytest.param(_ct_with_weights(dynamic=None), W + r"dynamic=None is not supported", id="ct-dynamic-null"),
+    pytest.param(_ct_with_weights(num_bits="4"), W + r"num_bits='4' is a string, not an int", id="ct-bits-str"),
+    pytest.param(
+        {**CT_GS128_ASYM, "transform_config": {"config_groups": {"u": {"type": "hadamard"}}}},
+        r"quantization_config\.transform_config=.* is not supported \(moe_wna16_plus does not apply .*transforms",
+        id="ct-transform",
+    ),
+    pytest.param(
+        {**CT_GS128_ASYM, "sparsity_config": {"format": "sparse-24-bitmask", "targets": ["Linear"]}},
+        r"sparsity_config\.format='sparse-24-bitmask' is not supported \(sparse weights are not WNA16\); "
+        r"supported: 'dense'",
+        id="ct-sparse24",
+    ),
     pytest.param(_ct_with_weights(actorder="random"), W + r"actorder='random' is not supported", id="ct-actorder"),
     pytest.param(
         _ct_with_weights(actorder="group", strategy="channel", group_size=None),
@@ -648,6 +741,15 @@ def test_ct_activation_quantization_is_not_weight_only():
         r"weight-only\); supported: null \(W4A16 / W8A16\)",
     ):
         parse_compressed_tensors(_w4a8(MIXTRAL_8X22B_CT_W4A16))
+
+
+def test_ct_output_activation_quantization_is_not_weight_only():
+    cfg = copy.deepcopy(CT_GS128_ASYM)
+    cfg["config_groups"]["group_0"]["output_activations"] = {"num_bits": 8, "type": "int", "strategy": "tensor"}
+    with pytest.raises(ValueError, match=r"config_groups\.group_0\.output_activations=.* is not supported"):
+        parse_compressed_tensors(cfg)
+    dense = {**CT_GS128_ASYM, "sparsity_config": {"format": "dense", "targets": []}}
+    assert parse_compressed_tensors(dense).scheme == parse_compressed_tensors(CT_GS128_ASYM).scheme
 
 
 def test_is_wna16_checkpoint_never_raises_on_odd_input():
@@ -752,6 +854,25 @@ def test_effective_group_size_checkpoint_groups_must_tile_full_k():
     # K=1344 unsplit with group 128: the checkpoint's last group would be partial.
     with pytest.raises(ValueError, match=r"K=1344 per rank \(tp_size=1, full K=1344\).*sizes that work: none"):
         effective_group_size(GS128, 1344, layer="layer")
+
+
+def test_effective_group_size_act_order_is_never_regrouped():
+    # Full K=768, group 128, act order: TP4 gives K=192 per rank, which plain group 128 re-groups to 64.
+    act = WNA16Scheme(bits=4, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ, desc_act=True)
+    assert effective_group_size(GS128, 192, layer="x", tp_size=4) == 64
+    assert effective_group_size(act, 384, layer="x", tp_size=2) == 128
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "model.layers.0.mlp.experts: K=192 per rank (tp_size=4, full K=768) cannot use act order "
+            "(quantization_config.desc_act) with group_size=128"
+        )
+        + r".*tensor-parallel sizes that work: 1, 2, 3, 6$",
+    ):
+        effective_group_size(act, 192, layer="model.layers.0.mlp.experts", tp_size=4)
+    ct_act = WNA16Scheme(bits=4, group_size=128, has_zero_point=False, pack_format=PackFormat.CT_PACKED, desc_act=True)
+    with pytest.raises(ValueError, match=r"quantization_config\.weights\.actorder"):
+        effective_group_size(ct_act, 96, layer="x", tp_size=8)
 
 
 def test_effective_group_size_rejects_bad_k():

@@ -108,3 +108,80 @@ def test_config_pickles_by_name_into_a_fresh_process(config_cls, tmp_path):
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-4:] == ["vllm_wna16_plugin.quant_config", "MoeWNA16PlusConfig", "moe_wna16_plus", "64"]
+
+
+AWQ = {"quant_method": "awq", "zero_point": True, "version": "gemm"}
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        pytest.param({"bits": 4, "group_size": 64}, id="transformers"),
+        pytest.param({"w_bit": 4, "q_group_size": 64}, id="autoawq"),
+        pytest.param({"bits": 4, "w_bit": 4, "group_size": 64, "q_group_size": 64}, id="both-agreeing"),
+        pytest.param({"w_bit": 4, "group_size": 64}, id="mixed"),
+    ],
+)
+def test_awq_spellings_read_as_vllms_awq_linear_method_reads_them(config_cls, spelling):
+    from vllm_wna16_plugin import _vllm
+
+    ours = config_cls.from_config(AWQ | spelling).parsed.scheme
+    theirs = _vllm.in_tree_linear_config("awq", AWQ | spelling)
+    assert (ours.bits, ours.group_size) == (theirs.weight_bits, theirs.group_size) == (4, 64)
+
+
+@pytest.mark.parametrize(
+    "spelling, keys",
+    [
+        pytest.param({"bits": 8, "w_bit": 4, "group_size": 64}, ("bits=8", "w_bit=4"), id="bits"),
+        pytest.param({"bits": 4, "group_size": 128, "q_group_size": 64}, ("group_size=128", "q_group_size=64"),
+                     id="group_size"),
+    ],
+)  # fmt: skip
+def test_claiming_refuses_awq_spellings_that_disagree(config_cls, spelling, keys):
+    """vLLM 0.26's AWQ reads w_bit / q_group_size first; the experts and linears would silently differ."""
+    from vllm_wna16_plugin import _vllm
+
+    theirs = _vllm.in_tree_linear_config("awq", AWQ | spelling)
+    ours_first = spelling.get("bits", spelling.get("group_size"))
+    assert ours_first != (theirs.weight_bits if "w_bit" in spelling else theirs.group_size)  # they do disagree
+    message = rf"quantization_config\.{keys[0]} and quantization_config\.{keys[1]} disagree"
+    with pytest.raises(ValueError, match=message):
+        config_cls.override_quantization_method(AWQ | spelling, "moe_wna16_plus")
+    assert config_cls.override_quantization_method(AWQ | spelling, "awq") is None  # not asked: not ours to judge
+
+
+@pytest.mark.parametrize("dynamic", [False, True])  # "local": refused too (BAD_CONFIGS), pydantic refuses it here
+def test_ct_dynamic_weights_refused_exactly_where_vllm_sees_no_static_wna16(config_cls, dynamic):
+    from compressed_tensors.quantization import QuantizationArgs
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+               "dynamic": dynamic}  # fmt: skip
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}}}  # fmt: skip
+    static_wna16 = CompressedTensorsConfig._is_wNa16_group_channel(QuantizationArgs.model_validate(weights), None)
+    if static_wna16:
+        assert config_cls.override_quantization_method(ct, "moe_wna16_plus") == "moe_wna16_plus"
+    else:
+        with pytest.raises(ValueError, match=r"config_groups\.group_0\.weights\.dynamic=.* is not supported"):
+            config_cls.override_quantization_method(ct, "moe_wna16_plus")
+    assert static_wna16 is (dynamic is False)
+
+
+@pytest.mark.parametrize(
+    "hf_quant_cfg, message",
+    [
+        pytest.param("gptq", r"quantization_config='gptq' is not a JSON object", id="str"),
+        pytest.param([GPTQ], r"quantization_config=\[.*\] is not a JSON object", id="list"),
+        pytest.param({}, r"quantization_config\.quant_method is missing; supported: 'gptq', 'awq'", id="empty"),
+        pytest.param(GPTQ | {"group_size": "32"}, r"group_size='32' is a string, not an int", id="gs-str"),
+        pytest.param(GPTQ | {"desc_act": 1}, r"desc_act=1 is an int, not a bool", id="desc_act-int"),
+    ],
+)
+def test_claiming_when_asked_gives_one_value_error_naming_the_field(config_cls, hf_quant_cfg, message):
+    with pytest.raises(ValueError, match=message):
+        config_cls.override_quantization_method(hf_quant_cfg, "moe_wna16_plus")
+    assert config_cls.override_quantization_method(hf_quant_cfg, None) is None  # not asked: never parsed

@@ -94,3 +94,28 @@ def test_describe(kw, text):
 
 def test_pack_format_values_name_the_checkpoint_format():
     assert [f.value for f in PackFormat] == ["gptq", "awq", "compressed-tensors"]
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("bits", "4", r"bits='4' is a string, not an int; supported: an int"),
+        ("bits", True, r"bits=True is a bool, not an int"),
+        ("group_size", 128.0, r"group_size=128\.0 is a float, not an int"),
+        ("group_size", [128], r"group_size=\[128\] is a list, not an int"),
+        ("zero_point_offset", None, r"zero_point_offset=None is null, not an int"),
+        ("has_zero_point", 1, r"has_zero_point=1 is an int, not a bool; supported: True, False"),
+        ("desc_act", "false", r"desc_act='false' is a string, not a bool"),
+        ("pack_format", "gptq", r"pack_format='gptq' is not a PackFormat; supported: PackFormat\.GPTQ"),
+    ],
+)
+def test_wrong_field_type_names_the_type(field, value, message):
+    kwargs = {"bits": 4, "group_size": 128, "has_zero_point": False, "pack_format": PackFormat.GPTQ}
+    with pytest.raises(ValueError, match=message):
+        WNA16Scheme(**{**kwargs, field: value})
+
+
+@pytest.mark.parametrize("value, kind", [("128", "a string"), (True, "a bool"), (64.0, "a float")])
+def test_normalize_group_size_refuses_non_ints(value, kind):
+    with pytest.raises(ValueError, match=rf"group_size={value!r} is {kind}, not an int"):
+        normalize_group_size(value)

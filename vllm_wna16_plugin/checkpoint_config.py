@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from vllm_wna16_plugin.scheme import CHANNELWISE, SUPPORTED_BITS, PackFormat, WNA16Scheme
+from vllm_wna16_plugin.scheme import CHANNELWISE, SUPPORTED_BITS, PackFormat, WNA16Scheme, not_an_int, type_name
 
 # checkpoint_format -> zero_point_offset (v1 stores zero - 1).
 GPTQ_CHECKPOINT_FORMATS = MappingProxyType({"gptq": 1, "gptq_v2": 0})
@@ -59,8 +59,11 @@ def _missing(key: str, supported: str) -> ValueError:
 
 
 def _check_bits(key: str, value: Any, allowed: Sequence[int] = SUPPORTED_BITS) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value not in allowed:
-        raise _error(key, value, "is not supported", ", ".join(str(b) for b in allowed))
+    supported = ", ".join(str(b) for b in allowed)
+    if (problem := not_an_int(value)) is not None:
+        raise _error(key, value, problem, supported)
+    if value not in allowed:
+        raise _error(key, value, "is not supported", supported)
     return value
 
 
@@ -68,8 +71,8 @@ def _check_group_size(key: str, value: Any, *, none_is_channelwise: bool = False
     supported = "a positive int (e.g. 32, 64, 128) or -1 (channel-wise)"
     if value is None and none_is_channelwise:
         return CHANNELWISE
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _error(key, value, "is not an int", supported)
+    if (problem := not_an_int(value)) is not None:
+        raise _error(key, value, problem, supported)
     if value == 0 or value < CHANNELWISE:
         raise _error(key, value, "is not supported", supported)
     return value
@@ -77,17 +80,36 @@ def _check_group_size(key: str, value: Any, *, none_is_channelwise: bool = False
 
 def _check_bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise _error(key, value, "is not a bool", "true, false")
+        raise _error(key, value, f"is {type_name(value)}, not a bool", "true, false")
     return value
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON values: 4 and 4.0 or 1 and true are different spellings, not one value."""
+    return type(a) is type(b) and a == b
+
+
 def _require(cfg: Mapping, keys: Sequence[str], supported: str, prefix: str = "") -> tuple[str, Any]:
-    """The first of `keys` present in cfg, as (key, value); ValueError naming them all if none is."""
-    for key in keys:
-        if key in cfg:
-            return key, cfg[key]
-    spelled = keys[0] + (f" (or {', '.join(keys[1:])})" if len(keys) > 1 else "")
-    raise _missing(prefix + spelled, supported)
+    """The one value of `keys` (alternative spellings of one field) in cfg, as (key, value).
+
+    ValueError naming them all if none is present, and naming both keys and values when two
+    spellings disagree: vLLM's in-tree configs read them in their own order (0.26's AWQ reads
+    w_bit before bits, q_group_size before group_size), so a conflict would make the experts
+    and the linear layers disagree silently.
+    """
+    present = [key for key in keys if key in cfg]
+    if not present:
+        spelled = keys[0] + (f" (or {', '.join(keys[1:])})" if len(keys) > 1 else "")
+        raise _missing(prefix + spelled, supported)
+    first = present[0]
+    for other in present[1:]:
+        if not _same(cfg[first], cfg[other]):
+            raise ValueError(
+                f"quantization_config.{prefix}{first}={cfg[first]!r} and quantization_config.{prefix}{other}="
+                f"{cfg[other]!r} disagree (two spellings of one field; vLLM's in-tree method may read either); "
+                f"supported: only one of them, or the same value in both"
+            )
+    return first, cfg[first]
 
 
 def _compile(key: str, pattern: Any) -> re.Pattern:
@@ -231,13 +253,26 @@ class _AWQRules(_Rules):
 
 
 @dataclass(frozen=True)
+class _CTTarget:
+    """One entry of a compressed-tensors target map: a target of `group` and that group's scheme."""
+
+    target: str  # module name, "re:" regex or class name
+    group: str  # the config_groups key, for messages
+    scheme: WNA16Scheme
+
+
+@dataclass(frozen=True)
 class _CTRules(_Rules):
     """compressed-tensors `ignore` and `config_groups` targets, as vLLM's get_scheme_dict:
     ignore by exact name or "re:" regex (fused modules via their shards); targets by
     name/regex first, then by class name ("Linear" matches every linear and the experts),
-    then a fused module whose every shard matches a name/regex target."""
+    then a fused module whose every shard matches a name/regex target.
 
-    targets: tuple[tuple[str, WNA16Scheme], ...]  # in first-seen order, as vLLM's target map
+    Where vLLM takes the first of several matching targets (dict order), this refuses when
+    the matching targets belong to groups with different schemes: which one the checkpoint's
+    writer applied is not recorded, so either pick could be wrong."""
+
+    targets: tuple[_CTTarget, ...]  # in first-seen order, as vLLM's target map
     ignore: tuple[str, ...]
 
     @staticmethod
@@ -254,19 +289,29 @@ class _CTRules(_Rules):
             return any(self._hit(prefix, t) for t in self.ignore)
         return _agree(prefix, names, [any(self._hit(n, t) for t in self.ignore) for n in names], "ignore status")
 
+    def _unique(self, name: str, value: str, contains: bool = False) -> WNA16Scheme | None:
+        """The scheme of the targets matching `value` at one precedence level; ValueError when
+        targets of groups with different schemes match."""
+        hits = [t for t in self.targets if self._hit(value, t.target, contains)]
+        if any(h.scheme != hits[0].scheme for h in hits[1:]):
+            detail = "; ".join(f"config_groups.{h.group} (target {h.target!r}): {h.scheme.describe()}" for h in hits)
+            raise ValueError(
+                f"{name}: quantization_config.config_groups give it different schemes ({detail}); "
+                "supported: targets that give each module one scheme (narrow one group's targets, "
+                "or list the module in `ignore`)"
+            )
+        return hits[0].scheme if hits else None
+
     def _match(self, name: str, fused: Mapping, module_class: str = "Linear") -> WNA16Scheme | None:
-        for target, scheme in self.targets:
-            if self._hit(name, target):
-                return scheme
-        for target, scheme in self.targets:
-            if self._hit(module_class, target, contains=True):
-                return scheme
-        names = _shards(name, fused)
+        scheme = self._unique(name, name)
+        if scheme is None:
+            scheme = self._unique(name, module_class, contains=True)
+        names = _shards(name, fused) if scheme is None else None
         if names is not None:
-            per_shard = [next((s for t, s in self.targets if self._hit(n, t)), None) for n in names]
+            per_shard = [self._unique(n, n) for n in names]
             if all(s is not None for s in per_shard):
                 return per_shard[0]
-        return None
+        return scheme
 
     def _one(self, name: str, fused: Mapping) -> WNA16Scheme | None:
         return None if self._ignored(name, fused) else self._match(name, fused)
@@ -478,6 +523,14 @@ def _ct_weights_scheme(where: str, weights: Any) -> WNA16Scheme:
         if gs == CHANNELWISE:
             raise _error(f"{where}.group_size", gs_raw, "is not supported with strategy='group'", "a positive int")
     symmetric = _check_bool(f"{where}.symmetric", weights.get("symmetric", True))
+    dynamic = weights.get("dynamic", False)
+    if dynamic is not False:
+        raise _error(
+            f"{where}.dynamic",
+            dynamic,
+            "is not supported (dynamic weights have no scales in the checkpoint; WNA16 needs static ones)",
+            "false",
+        )
     actorder = weights.get("actorder")
     if actorder is None or actorder is False:
         desc_act = False
@@ -499,15 +552,15 @@ def _ct_weights_scheme(where: str, weights: Any) -> WNA16Scheme:
     )
 
 
-def _ct_experts_scheme(groups: Sequence[tuple[Sequence[str], WNA16Scheme]]) -> WNA16Scheme:
+def _ct_experts_scheme(groups: Sequence[tuple[str, Sequence[str], WNA16Scheme]]) -> WNA16Scheme:
     """The group naming experts in a target, else the one targeting "Linear", else the first."""
-    for targets, scheme in groups:
+    for _, targets, scheme in groups:
         if any("expert" in t.lower() for t in targets):
             return scheme
-    for targets, scheme in groups:
+    for _, targets, scheme in groups:
         if any(t.lower() == "linear" for t in targets):
             return scheme
-    return groups[0][1]
+    return groups[0][2]
 
 
 def parse_compressed_tensors(cfg: Mapping) -> CheckpointQuantConfig:
@@ -515,11 +568,25 @@ def parse_compressed_tensors(cfg: Mapping) -> CheckpointQuantConfig:
     group|channel, no input_activations), format (per group overrides top level), ignore."""
     cfg = _check_mapping("", cfg)
     top_format = cfg.get("format")
+    if cfg.get("transform_config"):
+        raise _error(
+            "transform_config",
+            cfg["transform_config"],
+            "is not supported (moe_wna16_plus does not apply compressed-tensors' weight transforms to the experts)",
+            "null",
+        )
+    sparsity = cfg.get("sparsity_config")
+    if sparsity:
+        sparsity_format = _check_mapping("sparsity_config", sparsity).get("format")
+        if sparsity_format not in (None, "dense"):
+            raise _error(
+                "sparsity_config.format", sparsity_format, "is not supported (sparse weights are not WNA16)", "'dense'"
+            )
     groups_cfg = cfg.get("config_groups")
     if not groups_cfg:
         raise _missing("config_groups", "a non-empty dict of groups with targets and weights")
     groups_cfg = _check_mapping("config_groups", groups_cfg)
-    groups: list[tuple[tuple[str, ...], WNA16Scheme]] = []
+    groups: list[tuple[str, tuple[str, ...], WNA16Scheme]] = []
     for name, group in groups_cfg.items():
         where = f"config_groups.{name}"
         group = _check_mapping(where, group)
@@ -537,30 +604,38 @@ def parse_compressed_tensors(cfg: Mapping) -> CheckpointQuantConfig:
         if fmt != CT_FORMAT:
             key = f"{where}.format" if group.get("format") else "format"
             raise _error(key, fmt, "is not supported (only packed int weights are WNA16)", repr(CT_FORMAT))
-        if group.get("input_activations") is not None:
-            raise _error(
-                f"{where}.input_activations",
-                group["input_activations"],
-                "is not supported (activation quantization is not weight-only)",
-                "null (W4A16 / W8A16)",
-            )
+        for act in ("input_activations", "output_activations"):
+            if group.get(act) is not None:
+                raise _error(
+                    f"{where}.{act}",
+                    group[act],
+                    "is not supported (activation quantization is not weight-only)",
+                    "null (W4A16 / W8A16)",
+                )
         if "weights" not in group or group["weights"] is None:
             raise _missing(f"{where}.weights", "int weights with num_bits 4 or 8")
-        groups.append((targets, _ct_weights_scheme(f"{where}.weights", group["weights"])))
+        groups.append((name, targets, _ct_weights_scheme(f"{where}.weights", group["weights"])))
     if not groups:
         raise ValueError(
             "quantization_config.config_groups has no weight-quantized group; supported: a group "
             "with int weights (pack-quantized)"
         )
-    target_map: dict[str, WNA16Scheme] = {}
-    for targets, scheme in groups:
+    target_map: dict[str, _CTTarget] = {}
+    for group, targets, scheme in groups:
         for t in targets:
-            target_map[t] = scheme  # later groups overwrite a repeated target, as vLLM's dict does
+            seen = target_map.get(t)
+            if seen is not None and seen.scheme != scheme:  # vLLM's dict would keep the later group silently
+                raise ValueError(
+                    f"quantization_config.config_groups.{seen.group} and config_groups.{group} both target "
+                    f"{t!r} with different schemes ({seen.scheme.describe()} vs {scheme.describe()}); "
+                    "supported: each target in one group, or the same scheme in both"
+                )
+            target_map[t] = _CTTarget(t, group, scheme)
     ignore = _check_str_list("ignore", cfg.get("ignore"))
     for t in ignore:
         if t.startswith("re:"):
             _compile("ignore", t[3:])
-    rules = _CTRules(tuple(target_map.items()), ignore)
+    rules = _CTRules(tuple(target_map.values()), ignore)
     return CheckpointQuantConfig(
         scheme=_ct_experts_scheme(groups),
         quant_method="compressed-tensors",
@@ -602,10 +677,12 @@ def is_wna16_checkpoint(cfg: Mapping | None) -> bool:
 # ---------------------------------------------------------------- shapes
 
 
-def _regroup(group_size: int, size_k: int, full_size_k: int) -> int | None:
+def _regroup(group_size: int, size_k: int, full_size_k: int, act_order: bool) -> int | None:
     """The exact group size for a shard of size_k out of full_size_k, or None (see effective_group_size)."""
     if size_k % group_size == 0:
         return group_size
+    if act_order:
+        return None
     g = math.gcd(group_size, size_k)
     if g >= MIN_REGROUPED_GROUP_SIZE and full_size_k % group_size == 0:
         return g
@@ -621,7 +698,8 @@ def effective_group_size(
     g = gcd(group_size, size_k) when g >= 16 and the full K is a whole number of
     groups: each scale is repeated group_size // g times, which is exact because
     every shard starts on a multiple of g (vLLM's moe_wna16 halves the group size
-    for the same reason). Else ValueError naming the layer, K, the group size, the
+    for the same reason). Act order (desc_act) is never re-grouped: its g_idx names
+    the checkpoint's groups. Else ValueError naming the layer, K, the group size, the
     TP size and the TP sizes that would work.
     """
     if isinstance(size_k, bool) or not isinstance(size_k, int) or size_k <= 0:
@@ -629,14 +707,23 @@ def effective_group_size(
     if scheme.is_channelwise:
         return size_k
     full = full_size_k if full_size_k is not None else size_k * tp_size
-    g = _regroup(scheme.group_size, size_k, full)
+    act = scheme.desc_act
+    g = _regroup(scheme.group_size, size_k, full, act)
     if g is not None:
         return g
     working = [
         t
         for t in range(1, MAX_SUGGESTED_TP + 1)
-        if full % t == 0 and _regroup(scheme.group_size, full // t, full) is not None
+        if full % t == 0 and _regroup(scheme.group_size, full // t, full, act) is not None
     ]
+    if act:
+        field = "desc_act" if scheme.pack_format is PackFormat.GPTQ else "weights.actorder"
+        raise ValueError(
+            f"{layer}: K={size_k} per rank (tp_size={tp_size}, full K={full}) cannot use act order "
+            f"(quantization_config.{field}) with group_size={scheme.group_size}: act order is never "
+            f"re-grouped, so K per rank must be a multiple of the group size; tensor-parallel sizes that "
+            f"work: {', '.join(map(str, working)) or 'none'}"
+        )
     raise ValueError(
         f"{layer}: K={size_k} per rank (tp_size={tp_size}, full K={full}) cannot use "
         f"quantization_config.group_size={scheme.group_size}: it does not divide K, and re-grouping "

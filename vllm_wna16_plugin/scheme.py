@@ -14,6 +14,21 @@ from dataclasses import dataclass
 SUPPORTED_BITS = (4, 8)
 CHANNELWISE = -1
 
+_JSON_TYPES = ((bool, "a bool"), (int, "an int"), (float, "a float"), (str, "a string"), (list, "a list"),
+               (tuple, "a list"), (dict, "a JSON object"), (type(None), "null"))  # fmt: skip
+
+
+def type_name(value: object) -> str:
+    """How a config value reads to its author: "a string" for "4", "a bool" for true, "null" for None."""
+    return next((name for t, name in _JSON_TYPES if isinstance(value, t)), f"a {type(value).__name__}")
+
+
+def not_an_int(value: object) -> str | None:
+    """None for a real int (bools excluded), else "is a string, not an int" and the like."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None
+    return f"is {type_name(value)}, not an int"
+
 
 class PackFormat(enum.Enum):
     """How the checkpoint stores its integers on disk."""
@@ -45,8 +60,17 @@ class WNA16Scheme:
     def __post_init__(self) -> None:
         for name in ("bits", "group_size", "zero_point_offset"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name}={value!r} must be an integer")
+            if (problem := not_an_int(value)) is not None:
+                raise ValueError(f"{name}={value!r} {problem}; supported: an int")
+        for name in ("has_zero_point", "desc_act"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} is {type_name(value)}, not a bool; supported: True, False")
+        if not isinstance(self.pack_format, PackFormat):
+            raise ValueError(
+                f"pack_format={self.pack_format!r} is not a PackFormat; supported: "
+                + ", ".join(f"PackFormat.{f.name}" for f in PackFormat)
+            )
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits={self.bits} is not supported; supported: {list(SUPPORTED_BITS)}")
         if self.group_size != CHANNELWISE and self.group_size <= 0:
@@ -78,7 +102,9 @@ class WNA16Scheme:
         """Number of scale groups along K (1 when channel-wise); K must be a multiple of the group size."""
         gs = self.group_size_for(size_k)
         if size_k % gs:
-            raise ValueError(f"group_size={gs} does not divide K={size_k}")
+            raise ValueError(
+                f"group_size={gs} does not divide K={size_k}; supported: a divisor of K or -1 (channel-wise)"
+            )
         return size_k // gs
 
     def describe(self) -> str:
@@ -89,7 +115,9 @@ class WNA16Scheme:
 
 
 def normalize_group_size(value: int | None) -> int:
-    """None and -1 both mean channel-wise; returns -1 for them, else the int."""
+    """None and -1 both mean channel-wise; returns -1 for them, else the int (never a parsed string)."""
     if value is None:
         return CHANNELWISE
-    return int(value)
+    if (problem := not_an_int(value)) is not None:
+        raise ValueError(f"group_size={value!r} {problem}; supported: a positive int or -1 / None (channel-wise)")
+    return value

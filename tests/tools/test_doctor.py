@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -43,6 +44,8 @@ def test_doctor_names_the_backend_and_every_rejection(gs32_k2048, device, chosen
 def test_doctor_tp_split_regroups_or_refuses(tmp_path):
     path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=128, hidden=256, intermediate=768,
                            experts=4, top_k=2, layers=1)  # fmt: skip
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"num_attention_heads": 8}))  # vLLM needs TP | heads
     assert "K=    96" in plan(path, tp=8) and "re-grouped exactly" in plan(path, tp=8)
     with pytest.raises(ValueError, match="TP"):
         plan(path, tp=7)
@@ -64,3 +67,242 @@ def test_layer_problem_is_the_planned_rank(gs32_k2048):
     p = layer_problem(gs32_k2048, tp=2, device="sm90")
     assert (p.hidden, p.intermediate, p.num_experts, p.top_k) == (2048, 128, 8, 2)
     assert (p.group_size_w13, p.group_size_w2, p.platform, p.sm) == (32, 32, "cuda", 90)
+
+
+# ---------------------------------------------------------------- per-module schemes: what loading resolves
+
+_INT4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False}
+_INT8_CH = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None}
+_GPTQ = {
+    "quant_method": "gptq",
+    "bits": 4,
+    "group_size": 32,
+    "sym": True,
+    "desc_act": False,
+    "checkpoint_format": "gptq",
+}
+G4, G8 = "gptq int4 group 32 symmetric", "gptq int8 group 64 symmetric"
+CT4, CT8 = "compressed-tensors int4 group 32 symmetric", "compressed-tensors int8 channel-wise symmetric"
+AWQ4 = "awq int4 group 32 asymmetric"
+
+# (quantization_config, expected description per MoE layer 0..3 written out by hand; None = unquantized)
+PER_MODULE_CONFIGS = [
+    pytest.param(
+        _GPTQ | {"dynamic": {r"-:.*layers\.1\..*": {}, r"+:.*layers\.2\..*experts": {"bits": 8, "group_size": 64}}},
+        [G4, None, G8, G4],
+        id="gptq-dynamic",
+    ),
+    pytest.param(
+        _GPTQ | {"modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]]},
+        [None, None, None, None],
+        id="gptq-modules_in_block_to_quantize",
+    ),
+    pytest.param(
+        {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm",
+         "modules_to_not_convert": ["layers.3.mlp.experts", "mlp.gate"]},
+        [AWQ4, AWQ4, AWQ4, None],
+        id="awq-modules_to_not_convert",
+    ),
+    pytest.param(
+        {"quant_method": "compressed-tensors", "format": "pack-quantized",
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": _INT4, "input_activations": None},
+                           "group_1": {"targets": [r"re:.*layers\.[23]\.mlp\.experts\..*"], "weights": _INT8_CH,
+                                       "input_activations": None}},
+         "ignore": ["lm_head", r"re:.*layers\.0\.mlp\.experts\..*"]},
+        [None, CT4, CT8, CT8],
+        id="ct-ignore-and-two-groups",
+    ),
+]  # fmt: skip
+
+
+def _with_config(base, tmp_path, **changes):
+    """A copy of base's config.json with top-level keys replaced (doctor reads config.json alone)."""
+    cfg = json.loads((base / "config.json").read_text())
+    cfg.update(changes)
+    out = tmp_path / "ck"
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("doc4") / "ck", fmt="gptq", bits=4, group_size=32, hidden=256,
+                           intermediate=128, experts=4, top_k=2, layers=4)  # fmt: skip
+
+
+@pytest.mark.parametrize("quant, expected", PER_MODULE_CONFIGS)
+def test_doctor_reports_each_moe_scheme_loading_resolves(four_layers, tmp_path, quant, expected):
+    from vllm_wna16_plugin.tools.doctor import resolve_checkpoint
+
+    path = _with_config(four_layers, tmp_path, quantization_config=quant)
+    plan_ = resolve_checkpoint(path)
+    per_layer = {i: g.scheme.describe() if g.scheme else None for g in plan_.groups for i in g.layers}
+    assert per_layer == dict(enumerate(expected))
+    text = plan(path)
+    for g in plan_.groups:
+        layers = ", ".join(str(i) for i in g.layers) if len(g.layers) == 1 or g.layers[-1] - g.layers[0] != len(
+            g.layers) - 1 else f"{g.layers[0]}-{g.layers[-1]}"  # fmt: skip
+        assert f"  layers {layers}: {g.describe()}" in text
+        if g.scheme is not None:
+            assert f"scheme: {g.scheme.describe()} (MoE layers {layers};" in text
+    if None in expected:
+        assert "unquantized (vLLM's unquantized MoE method)" in text
+
+
+@pytest.mark.parametrize("quant, expected", PER_MODULE_CONFIGS)
+def test_doctor_schemes_equal_what_get_quant_method_loads(four_layers, tmp_path, monkeypatch, quant, expected):
+    """The loading entry point (MoeWNA16PlusConfig.get_quant_method on a routed-experts layer) gives,
+    layer by layer, the scheme doctor reports."""
+    pytest.importorskip("vllm")
+    import torch
+
+    import vllm_wna16_plugin
+    from vllm_wna16_plugin import _vllm, moe_method
+    from vllm_wna16_plugin.quant_config import make_config_class
+    from vllm_wna16_plugin.tools.doctor import resolve_checkpoint
+
+    vllm_wna16_plugin.register()
+    monkeypatch.setattr(_vllm, "unquantized_moe_method", lambda moe_config: "unquantized")
+    monkeypatch.setattr(moe_method, "make_moe_method", lambda scheme, moe_config, prefix: scheme)
+
+    class Experts(_vllm.routed_experts_cls()):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+            self.moe_config = None
+
+    loading = make_config_class().from_config(quant)
+    path = _with_config(four_layers, tmp_path, quantization_config=quant)
+    plan_ = resolve_checkpoint(path)
+    for g in plan_.groups:
+        for i in g.layers:
+            loaded = loading.get_quant_method(Experts(), plan_.prefixes[i])
+            assert loaded == ("unquantized" if g.scheme is None else g.scheme), (i, loaded)
+    assert sorted(i for g in plan_.groups for i in g.layers) == list(range(len(expected)))
+
+
+def test_doctor_skips_dense_layers_as_vllm_does(four_layers, tmp_path):
+    from vllm_wna16_plugin.tools.doctor import resolve_checkpoint
+
+    path = _with_config(four_layers, tmp_path, mlp_only_layers=[0], decoder_sparse_step=1)
+    assert sorted(resolve_checkpoint(path).prefixes) == [1, 2, 3]
+    path = _with_config(four_layers, tmp_path, mlp_only_layers=[], decoder_sparse_step=2)
+    assert resolve_checkpoint(path).prefixes == {1: "model.layers.1.mlp.experts", 3: "model.layers.3.mlp.experts"}
+
+
+def test_doctor_deepseek_layout_skips_the_first_dense_layers(four_layers, tmp_path):
+    from vllm_wna16_plugin.tools.doctor import resolve_checkpoint
+
+    path = _with_config(four_layers, tmp_path, architectures=["DeepseekV3ForCausalLM"], first_k_dense_replace=1,
+                        moe_layer_freq=2)  # fmt: skip
+    assert resolve_checkpoint(path).prefixes == {2: "model.layers.2.mlp.experts"}
+    with pytest.raises(ValueError, match=r"config\.json first_k_dense_replace='1' is a string, not an int"):
+        plan(_with_config(four_layers, tmp_path, architectures=["DeepseekV3ForCausalLM"], first_k_dense_replace="1"))
+    mixtral = _with_config(four_layers, tmp_path, architectures=["MixtralForCausalLM"], first_k_dense_replace=0)
+    assert resolve_checkpoint(mixtral).prefixes[3] == "model.layers.3.block_sparse_moe.experts"
+    unknown = _with_config(four_layers, tmp_path, architectures=["SomeNewMoeForCausalLM"])
+    assert "assumed: ['SomeNewMoeForCausalLM'] is not in doctor's table" in plan(unknown, launch_configs=False)
+
+
+def test_doctor_refuses_experts_whose_shards_disagree_as_loading_does(four_layers, tmp_path):
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": _INT4},
+                            "group_1": {"targets": [r"re:.*down_proj$"], "weights": _INT8_CH}}}  # fmt: skip
+    path = _with_config(four_layers, tmp_path, quantization_config=ct)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: its shards have different schemes"):
+        plan(path)
+
+
+def test_doctor_refuses_two_groups_giving_experts_different_schemes(four_layers, tmp_path):
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"group_0": {"targets": [r"re:.*experts.*"], "weights": _INT4},
+                            "group_1": {"targets": [r"re:.*layers\.1\..*"], "weights": _INT8_CH}}}  # fmt: skip
+    path = _with_config(four_layers, tmp_path, quantization_config=ct)
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.0\.gate_proj: .*config_groups\.group_0.*group_1"):
+        plan(path)
+
+
+# ---------------------------------------------------------------- doctor fails where loading would
+
+
+def test_doctor_refuses_act_order_that_cannot_be_regrouped(four_layers, tmp_path):
+    quant = _GPTQ | {"group_size": 128, "desc_act": True}
+    path = _with_config(four_layers, tmp_path, quantization_config=quant, moe_intermediate_size=768,
+                        num_attention_heads=48)  # fmt: skip
+    assert "act-order" in plan(path, tp=2)  # K=384 per rank: three whole groups
+    with pytest.raises(
+        ValueError,
+        match=r"--tp=4 \(tensor-parallel size, TP\) cannot load this checkpoint: .*K=192 per rank.*cannot use act "
+        r"order \(quantization_config\.desc_act\).*TP sizes that pass every check \(up to 16\): 1, 2, 3, 6$",
+    ):
+        plan(path, tp=4)
+    # without act order, TP4 re-groups 128 -> 64 exactly
+    assert "re-grouped exactly" in plan(_with_config(four_layers, tmp_path, quantization_config=_GPTQ | {
+        "group_size": 128}, moe_intermediate_size=768, num_attention_heads=48), tp=4)  # fmt: skip
+
+
+def test_doctor_tp_that_does_not_divide_lists_the_tp_sizes_that_do(four_layers, tmp_path):
+    # I=96 = 3 * 32 with group 32: K per rank 96, 48, 32, 16 at TP 1, 2, 3, 6 (gcd with 32 >= 16);
+    # TP 4, 8, 12, 16 give K=24, 12, 8, 6 (gcd < 16); 48 heads divide by 1, 2, 3, 4, 6, 8, 12, 16.
+    path = _with_config(four_layers, tmp_path, moe_intermediate_size=96, num_attention_heads=48)
+    with pytest.raises(ValueError, match=r"--tp=5 .*intermediate size 96 is not divisible by it.*: 1, 2, 3, 6$"):
+        plan(path, tp=5)
+    with pytest.raises(ValueError, match=r"--tp=4 .*K=24 per rank.*group_size=32.*: 1, 2, 3, 6$"):
+        plan(path, tp=4)
+    with pytest.raises(ValueError, match=r"--tp=4 .*num_attention_heads=6 is not divisible.*: 1, 2, 3, 6$"):
+        plan(_with_config(four_layers, tmp_path, moe_intermediate_size=96, num_attention_heads=6), tp=4)
+
+
+@pytest.mark.parametrize("tp", [0, -2, True, "2", 2.0])
+def test_doctor_refuses_a_tp_that_is_not_a_positive_int(gs32_k2048, tp):
+    with pytest.raises(ValueError, match=rf"--tp={re.escape(repr(tp))} is not a positive int"):
+        plan(gs32_k2048, tp=tp)
+
+
+def test_cli_doctor_tp_zero_names_the_flag(gs32_k2048, capsys):
+    assert main(["doctor", str(gs32_k2048), "--tp", "0"]) == 2
+    assert "--tp=0 is not a positive int" in capsys.readouterr().out
+
+
+def test_doctor_refuses_an_unknown_device(gs32_k2048):
+    with pytest.raises(ValueError, match=r"--device='sm75' is not supported; supported: cpu, sm100"):
+        plan(gs32_k2048, device="sm75")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        pytest.param({"num_experts_per_tok": 9}, r"config\.json num_experts_per_tok=9 is larger than config\.json "
+                     r"num_experts=4.*supported: 1\.\.4", id="top_k-above-experts"),
+        pytest.param({"hidden_size": "256"}, r"config\.json hidden_size='256' is a string, not an int; supported: a "
+                     r"positive int", id="hidden-str"),
+        pytest.param({"num_experts": True}, r"num_experts=True is a bool, not an int", id="experts-bool"),
+        pytest.param({"moe_intermediate_size": [128]}, r"moe_intermediate_size=\[128\] is a list", id="inter-list"),
+        pytest.param({"num_experts_per_tok": 0}, r"num_experts_per_tok=0 is not positive", id="top_k-0"),
+        pytest.param({"num_hidden_layers": 10**12}, r"num_hidden_layers=1000000000000 is larger than 4096",
+                     id="layers-huge"),
+        pytest.param({"num_hidden_layers": None}, r"has num_experts=4 but no num_hidden_layers", id="no-layers"),
+        pytest.param({"decoder_sparse_step": "1"}, r"decoder_sparse_step='1' is a string", id="sparse-step-str"),
+        pytest.param({"mlp_only_layers": "0"}, r"mlp_only_layers='0' is not a list of ints", id="mlp-only-str"),
+        pytest.param({"mlp_only_layers": [0, 1, 2, 3]}, r"none of the 4 layers is an MoE layer", id="no-moe"),
+        pytest.param({"num_experts": None}, r"config\.json has no MoE dimensions", id="not-moe"),
+        pytest.param({"quantization_config": None}, r"has no quantization_config", id="not-quantized"),
+        pytest.param({"quantization_config": _GPTQ | {"bits": "4"}},
+                     r"quantization_config\.bits='4' is a string, not an int; supported: 4, 8", id="bits-str"),
+    ],
+)  # fmt: skip
+def test_doctor_bad_config_json_names_the_field(four_layers, tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        plan(_with_config(four_layers, tmp_path, **changes))
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [("{not json", r"config\.json is not valid JSON"), ("[1, 2]", r"config\.json holds a list, not a JSON object"),
+     (None, r"config\.json: cannot read it")],
+)  # fmt: skip
+def test_doctor_unreadable_config_json_is_one_value_error(tmp_path, content, message):
+    if content is not None:
+        (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        plan(tmp_path)

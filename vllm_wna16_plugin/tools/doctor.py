@@ -1,42 +1,216 @@
 """`vllm-wna16 doctor MODEL_DIR`: the plan for a checkpoint, from config.json alone (no GPU, no vLLM needed).
 
-Prints the parsed scheme, each MoE GEMM's shape per TP rank and the group size
-it runs with, the CUDA launch configs over batch sizes 1..4096 with their
-legality (and vLLM 0.26's own choice where vLLM is importable), and which
-backend `auto` would pick on the named device, with every rejection's reason.
-A bad config prints the same error loading would.
+Resolves every routed-experts layer's scheme with the code loading uses (dynamic
+rules, modules_to_not_convert, ignore, several config_groups) and, per distinct scheme
+with its layers, prints each MoE GEMM's shape per TP rank and the group size it runs
+with, the CUDA launch configs over batch sizes 1..4096 with their legality (and
+vLLM 0.26's own choice where vLLM is importable), and which backend `auto` would
+pick on the named device, with every rejection's reason. Where loading would fail
+(a bad config, act order that cannot be re-grouped at --tp, a TP size that does not
+divide) it raises ValueError naming the field or flag and what would work.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from vllm_wna16_plugin.backends import MoEProblem
 from vllm_wna16_plugin.block_config import LEGAL_K_RATIOS, choose_cuda_block_config, cuda_group_size
-from vllm_wna16_plugin.checkpoint_config import effective_group_size, parse_quantization_config
+from vllm_wna16_plugin.checkpoint_config import (
+    MAX_SUGGESTED_TP,
+    CheckpointQuantConfig,
+    effective_group_size,
+    parse_quantization_config,
+)
 from vllm_wna16_plugin.oracle import collect_verdicts
+from vllm_wna16_plugin.scheme import WNA16Scheme, not_an_int, type_name
 
 DEVICES = {"sm70": ("cuda", 70), "sm80": ("cuda", 80), "sm90": ("cuda", 90), "sm100": ("cuda", 100),
            "xpu": ("xpu", None), "cpu": ("cpu", None)}  # fmt: skip
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
-def moe_dims(cfg: dict) -> dict[str, int]:
-    """hidden, intermediate (per expert), experts, top_k of an HF config (text_config honoured)."""
-    for c in (cfg, cfg.get("text_config") or {}):
-        experts = next((c[k] for k in ("num_experts", "num_local_experts", "n_routed_experts") if c.get(k)), None)
-        if experts:
-            inter = c.get("moe_intermediate_size") or c.get("intermediate_size")
-            top_k = c.get("num_experts_per_tok") or c.get("top_k") or c.get("moe_topk")
-            if inter and top_k and c.get("hidden_size"):
-                return {"hidden": int(c["hidden_size"]), "intermediate": int(inter), "experts": int(experts),
-                        "top_k": int(top_k)}  # fmt: skip
-    raise ValueError("config.json has no MoE dimensions (hidden_size, moe_intermediate_size/intermediate_size, "
-                     "num_experts/num_local_experts/n_routed_experts, num_experts_per_tok)")  # fmt: skip
+MAX_LAYERS = 4096  # num_hidden_layers above this is refused (doctor resolves every layer's scheme)
+
+
+def _field(where: str, key: str) -> str:
+    return f"config.json {where}{key}"
+
+
+def _positive_int(where: str, key: str, value, limit: int | None = None) -> int:
+    """value when it is a positive int (at most `limit`); else ValueError naming the field and its type."""
+    problem = not_an_int(value)
+    if problem is None and value <= 0:
+        problem = "is not positive"
+    if problem is None and limit is not None and value > limit:
+        problem = f"is larger than {limit}"
+    if problem is not None:
+        upto = f" up to {limit}" if limit is not None else ""
+        raise ValueError(f"{_field(where, key)}={value!r} {problem}; supported: a positive int{upto}")
+    return value
+
+
+def _first_present(c: Mapping, keys: Sequence[str]) -> str | None:
+    return next((k for k in keys if c.get(k) is not None), None)
+
+
+@dataclass(frozen=True)
+class MoEDims:
+    """The routed-experts dimensions of an HF config (text_config honoured)."""
+
+    hidden: int  # H
+    intermediate: int  # I per expert, before TP
+    experts: int  # E
+    top_k: int
+    num_layers: int
+    num_heads: int | None  # attention heads (vLLM needs TP to divide them), when the config has them
+    where: str  # "" or "text_config.": where the dimensions were found, for messages
+
+
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_TOP_K_KEYS = ("num_experts_per_tok", "top_k", "moe_topk")
+_INTER_KEYS = ("moe_intermediate_size", "intermediate_size")
+
+
+def moe_dims(cfg: Mapping) -> MoEDims:
+    """hidden, intermediate (per expert), experts, top_k, layers of an HF config; ValueError naming
+    the field for a missing, mistyped or inconsistent one (top_k above the number of experts)."""
+    text = cfg.get("text_config")
+    for where, c in (("", cfg), ("text_config.", text if isinstance(text, Mapping) else {})):
+        e_key = _first_present(c, _EXPERT_KEYS)
+        if e_key is None:
+            continue
+        experts = _positive_int(where, e_key, c[e_key])
+        missing = [" or ".join(keys) for keys in (("hidden_size",), _INTER_KEYS, _TOP_K_KEYS, ("num_hidden_layers",))
+                   if _first_present(c, keys) is None]  # fmt: skip
+        if missing:
+            raise ValueError(f"config.json {where or ''}has {e_key}={experts} but no {', '.join(missing)}; "
+                             "supported: an HF MoE config with all of them")  # fmt: skip
+        i_key, k_key = _first_present(c, _INTER_KEYS), _first_present(c, _TOP_K_KEYS)
+        top_k = _positive_int(where, k_key, c[k_key])
+        if top_k > experts:
+            raise ValueError(f"{_field(where, k_key)}={top_k} is larger than {_field(where, e_key)}={experts}: "
+                             f"each token cannot be routed to more experts than exist; supported: 1..{experts}")  # fmt: skip
+        heads = c.get("num_attention_heads")
+        return MoEDims(
+            hidden=_positive_int(where, "hidden_size", c["hidden_size"]),
+            intermediate=_positive_int(where, i_key, c[i_key]),
+            experts=experts,
+            top_k=top_k,
+            num_layers=_positive_int(where, "num_hidden_layers", c["num_hidden_layers"], MAX_LAYERS),
+            num_heads=None if heads is None else _positive_int(where, "num_attention_heads", heads),
+            where=where,
+        )
+    raise ValueError("config.json has no MoE dimensions: no num_experts, num_local_experts or n_routed_experts "
+                     "(top level or text_config); supported: an HF MoE model config")  # fmt: skip
+
+
+# ---------------------------------------------------------------- which layers are MoE, and their schemes
+
+
+def _every_layer(c: Mapping, where: str, i: int) -> bool:
+    return True
+
+
+def _qwen_moe_layer(c: Mapping, where: str, i: int) -> bool:
+    """vLLM's qwen2_moe/qwen3_moe: not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0."""
+    step = _positive_int(where, "decoder_sparse_step", c.get("decoder_sparse_step", 1))
+    only = c.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(not_an_int(x) for x in only):
+        raise ValueError(f"{_field(where, 'mlp_only_layers')}={only!r} is not a list of ints; supported: "
+                         "a list of layer indices")  # fmt: skip
+    return i not in only and (i + 1) % step == 0
+
+
+def _deepseek_moe_layer(c: Mapping, where: str, i: int) -> bool:
+    """vLLM's deepseek_v2/glm4_moe: i >= first_k_dense_replace and i % moe_layer_freq == 0."""
+    first = c.get("first_k_dense_replace", 0)
+    problem = not_an_int(first) or ("is negative" if first < 0 else None)
+    if problem:
+        raise ValueError(f"{_field(where, 'first_k_dense_replace')}={first!r} {problem}; "
+                         "supported: 0 or a positive int")  # fmt: skip
+    freq = _positive_int(where, "moe_layer_freq", c.get("moe_layer_freq", 1))
+    return i >= first and i % freq == 0
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """Where a model's routed-experts layers sit, as vLLM's model file names them."""
+
+    block: str  # the decoder layer's MoE block: "mlp" or "block_sparse_moe"
+    is_moe_layer: Callable[[Mapping, str, int], bool]
+
+    def prefix(self, i: int) -> str:
+        return f"model.layers.{i}.{self.block}.experts"
+
+
+# Checked against vLLM 0.26's model files (qwen2_moe, qwen3_moe, mixtral, phimoe, olmoe, deepseek_v2, glm4_moe).
+MOE_LAYOUTS = {
+    "Qwen2MoeForCausalLM": MoELayout("mlp", _qwen_moe_layer),
+    "Qwen3MoeForCausalLM": MoELayout("mlp", _qwen_moe_layer),
+    "MixtralForCausalLM": MoELayout("block_sparse_moe", _every_layer),
+    "PhiMoEForCausalLM": MoELayout("block_sparse_moe", _every_layer),
+    "OlmoeForCausalLM": MoELayout("mlp", _every_layer),
+    "DeepseekV2ForCausalLM": MoELayout("mlp", _deepseek_moe_layer),
+    "DeepseekV3ForCausalLM": MoELayout("mlp", _deepseek_moe_layer),
+    "Glm4MoeForCausalLM": MoELayout("mlp", _deepseek_moe_layer),
+}
+DEFAULT_LAYOUT = MoELayout("mlp", _every_layer)
+
+
+@dataclass(frozen=True)
+class MoESchemeLayers:
+    """One distinct scheme the checkpoint's routed experts load with, and the layers using it."""
+
+    scheme: WNA16Scheme | None  # None: the experts load unquantized (vLLM's unquantized MoE method)
+    layers: tuple[int, ...]
+
+    def describe(self) -> str:
+        return "unquantized (vLLM's unquantized MoE method)" if self.scheme is None else self.scheme.describe()
+
+
+def moe_layer_prefixes(cfg: Mapping, dims: MoEDims) -> tuple[dict[int, str], str]:
+    """{decoder layer index: vLLM prefix of its routed experts}, and a line saying which naming was used."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in MOE_LAYOUTS), None) if isinstance(archs, list) else None
+    layout = MOE_LAYOUTS.get(arch, DEFAULT_LAYOUT)
+    c = cfg if dims.where == "" else cfg["text_config"]
+    prefixes = {i: layout.prefix(i) for i in range(dims.num_layers) if layout.is_moe_layer(c, dims.where, i)}
+    if not prefixes:
+        raise ValueError(f"config.json: none of the {dims.num_layers} layers is an MoE layer (see "
+                         "decoder_sparse_step, mlp_only_layers, first_k_dense_replace); nothing to plan")  # fmt: skip
+    naming = f"as vLLM's {arch}" if arch else f"assumed: {archs!r} is not in doctor's table, names may differ"
+    return prefixes, f"{layout.prefix(0).replace('.0.', '.{i}.')} ({naming})"
+
+
+def moe_schemes(parsed: CheckpointQuantConfig, prefixes: Mapping[int, str]) -> tuple[MoESchemeLayers, ...]:
+    """Each distinct scheme the routed-experts layers resolve to, in layer order.
+
+    The same resolution loading uses (MoeWNA16PlusConfig.get_quant_method -> scheme_for(prefix,
+    moe=True)), so dynamic rules, modules_in_block_to_quantize, modules_to_not_convert, ignore and
+    several config_groups give the plan loading will run; a layer loading refuses raises here too.
+    """
+    by_scheme: dict[WNA16Scheme | None, list[int]] = {}
+    for i, prefix in prefixes.items():
+        by_scheme.setdefault(parsed.scheme_for(prefix, moe=True), []).append(i)
+    return tuple(MoESchemeLayers(scheme, tuple(layers)) for scheme, layers in by_scheme.items())
+
+
+def _layers_text(layers: Sequence[int]) -> str:
+    """0, 2-5, 7: consecutive runs collapsed."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def _vllm_block_k(num_tokens, top_k, experts, size_k, size_n, gs):
@@ -72,58 +246,142 @@ def _launch_config_table(gemms, k: int, e: int, bits: int) -> list[str]:
     return out
 
 
-def _problem(scheme, dims: dict[str, int], i_loc: int, gs13: int, gs2: int, device: str) -> MoEProblem:
+def _problem(scheme, dims: MoEDims, i_loc: int, gs13: int, gs2: int, device: str) -> MoEProblem:
     platform, sm = DEVICES[device]
-    return MoEProblem(scheme=scheme, hidden=dims["hidden"], intermediate=i_loc, num_experts=dims["experts"],
-                      global_num_experts=dims["experts"], top_k=dims["top_k"], group_size_w13=gs13,
+    return MoEProblem(scheme=scheme, hidden=dims.hidden, intermediate=i_loc, num_experts=dims.experts,
+                      global_num_experts=dims.experts, top_k=dims.top_k, group_size_w13=gs13,
                       group_size_w2=gs2, act_dtype=torch.bfloat16, platform=platform, sm=sm,
                       has_g_idx=scheme.desc_act, extra={"plan_only": True})  # fmt: skip
 
 
-def layer_problem(model_dir: str | Path, tp: int = 1, device: str = "sm90") -> MoEProblem:
-    """The MoEProblem of the checkpoint's MoE layers on one TP rank of `device`, from config.json alone
-    (extra["plan_only"]: backends judge the device named, not this machine)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    scheme = parse_quantization_config(cfg.get("quantization_config") or cfg.get("compression_config")).scheme
-    dims = moe_dims(cfg)
-    i_loc = dims["intermediate"] // tp
-    gs13 = effective_group_size(scheme, dims["hidden"], layer="experts (gate/up, K=hidden)")
-    gs2 = effective_group_size(scheme, i_loc, layer="experts (down, K=intermediate)", tp_size=tp,
-                               full_size_k=dims["intermediate"])  # fmt: skip
-    return _problem(scheme, dims, i_loc, gs13, gs2, device)
+def _check_args(tp, device) -> None:
+    if not_an_int(tp) or tp <= 0:
+        raise ValueError(f"--tp={tp!r} is not a positive int; supported: a tensor-parallel size of 1 or more")
+    if device not in DEVICES:
+        raise ValueError(f"--device={device!r} is not supported; supported: {', '.join(sorted(DEVICES))}")
 
 
-def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_configs: bool = True) -> str:
-    """The doctor's report as text. Raises ValueError for a bad config (the same error loading gives).
+def _read_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc}); supported: a checkpoint directory "
+                         "with a config.json") from None  # fmt: skip
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); supported: a Hugging Face config.json") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} holds {type_name(cfg)}, not a JSON object; supported: a Hugging Face config.json")
+    return cfg
 
-    launch_configs=False leaves out the CUDA launch-config table (the demo's short plan)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+
+def _group_sizes(scheme: WNA16Scheme, dims: MoEDims, tp: int, layer: str) -> tuple[int, int]:
+    """(w13, w2) effective group sizes on one rank: the same calls loading makes (moe_method.create_weights)."""
+    gs13 = effective_group_size(scheme, dims.hidden, layer=f"{layer} (gate/up, K=hidden)")
+    gs2 = effective_group_size(scheme, dims.intermediate // tp, layer=f"{layer} (down, K=intermediate)",
+                               tp_size=tp, full_size_k=dims.intermediate)  # fmt: skip
+    return gs13, gs2
+
+
+def _tp_problem(dims: MoEDims, groups: Sequence[MoESchemeLayers], prefixes: Mapping[int, str], tp: int) -> str | None:
+    """Why TP=tp cannot load this checkpoint (the first reason), or None."""
+    if dims.intermediate % tp:
+        return f"the experts' intermediate size {dims.intermediate} is not divisible by it"
+    if dims.num_heads is not None and dims.num_heads % tp:
+        return f"{_field(dims.where, 'num_attention_heads')}={dims.num_heads} is not divisible by it (vLLM needs that)"
+    for g in groups:
+        if g.scheme is not None:
+            try:
+                _group_sizes(g.scheme, dims, tp, prefixes[g.layers[0]])
+            except ValueError as exc:
+                return str(exc)
+    return None
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """What doctor resolved from config.json: the parsed config, the MoE dims, each MoE scheme and its layers."""
+
+    model_dir: str
+    parsed: CheckpointQuantConfig
+    dims: MoEDims
+    naming: str
+    prefixes: Mapping[int, str]
+    groups: tuple[MoESchemeLayers, ...]
+    tp: int
+
+
+def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90") -> CheckpointPlan:
+    """Parse config.json as loading does and refuse what loading would refuse at this --tp (ValueError
+    naming the field or flag, its value and what works)."""
+    _check_args(tp, device)
+    cfg = _read_config(model_dir)
     quant = cfg.get("quantization_config") or cfg.get("compression_config")
     if quant is None:
-        raise ValueError(f"{model_dir}/config.json has no quantization_config: not a quantized checkpoint")
+        raise ValueError(f"{model_dir}/config.json has no quantization_config: not a quantized checkpoint; "
+                         "supported: GPTQ, AWQ or compressed-tensors pack-quantized checkpoints")  # fmt: skip
     parsed = parse_quantization_config(quant)
-    scheme = parsed.scheme
     dims = moe_dims(cfg)
-    h, i, e, k = dims["hidden"], dims["intermediate"], dims["experts"], dims["top_k"]
-    if i % tp:
-        raise ValueError(f"intermediate size {i} does not split over TP={tp}")
-    i_loc = i // tp
-    gs13 = effective_group_size(scheme, h, layer="experts (gate/up, K=hidden)")
-    gs2 = effective_group_size(scheme, i_loc, layer="experts (down, K=intermediate)", tp_size=tp, full_size_k=i)
-    out = [f"checkpoint: {model_dir}", f"scheme: {scheme.describe()} (linear layers: vLLM's in-tree {parsed.quant_method})",
-           f"MoE: E={e}, top_k={k}, H={h}, I={i}; TP={tp} -> I per rank {i_loc}", ""]  # fmt: skip
-    out.append("GEMMs per rank:")
-    gemms = [("gate/up", h, 2 * i_loc, gs13), ("down", i_loc, h, gs2)]
+    prefixes, naming = moe_layer_prefixes(cfg, dims)
+    groups = moe_schemes(parsed, prefixes)
+    for g in groups:  # TP-independent: the hidden size against each scheme's group size
+        if g.scheme is not None:
+            effective_group_size(g.scheme, dims.hidden, layer=f"{prefixes[g.layers[0]]} (gate/up, K=hidden)")
+    problem = _tp_problem(dims, groups, prefixes, tp)
+    if problem is not None:
+        working = [t for t in range(1, MAX_SUGGESTED_TP + 1) if _tp_problem(dims, groups, prefixes, t) is None]
+        raise ValueError(f"--tp={tp} (tensor-parallel size, TP) cannot load this checkpoint: {problem}; "
+                         f"TP sizes that pass every check (up to {MAX_SUGGESTED_TP}): "
+                         f"{', '.join(map(str, working)) or 'none'}")  # fmt: skip
+    return CheckpointPlan(str(model_dir), parsed, dims, naming, prefixes, groups, tp)
+
+
+def layer_problem(model_dir: str | Path, tp: int = 1, device: str = "sm90") -> MoEProblem:
+    """The MoEProblem of the checkpoint's first quantized MoE layer on one TP rank of `device`, from
+    config.json alone (extra["plan_only"]: backends judge the device named, not this machine)."""
+    cp = resolve_checkpoint(model_dir, tp, device)
+    g = next((g for g in cp.groups if g.scheme is not None), None)
+    if g is None:
+        raise ValueError(f"{model_dir}: every MoE layer loads unquantized; the plugin runs none of them")
+    gs13, gs2 = _group_sizes(g.scheme, cp.dims, tp, cp.prefixes[g.layers[0]])
+    return _problem(g.scheme, cp.dims, cp.dims.intermediate // tp, gs13, gs2, device)
+
+
+def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_configs: bool) -> list[str]:
+    scheme, dims, tp = g.scheme, cp.dims, cp.tp
+    i_loc = dims.intermediate // tp
+    gs13, gs2 = _group_sizes(scheme, dims, tp, cp.prefixes[g.layers[0]])
+    out = [f"scheme: {scheme.describe()} (MoE layers {_layers_text(g.layers)}; "
+           f"linear layers: vLLM's in-tree {cp.parsed.quant_method})", "GEMMs per rank:"]  # fmt: skip
+    gemms = [("gate/up", dims.hidden, 2 * i_loc, gs13), ("down", i_loc, dims.hidden, gs2)]
     for name, size_k, size_n, gs in gemms:
         regroup = "" if gs == scheme.group_size_for(size_k) or scheme.is_channelwise else " (re-grouped exactly)"
         out.append(f"  {name:8s} K={size_k:6d} N={size_n:6d} group={gs if gs != size_k else 'channel'}{regroup}")
     if launch_configs:
-        out += _launch_config_table(gemms, k, e, scheme.bits)
+        out += _launch_config_table(gemms, dims.top_k, dims.experts, scheme.bits)
     verdicts = collect_verdicts(_problem(scheme, dims, i_loc, gs13, gs2, device))
     chosen = next((v.backend for v in verdicts if v.ok), None)
     out += ["", f"backend on {device} (auto): {chosen}"]
     for v in verdicts:
         out.append(f"  - {v.backend}: {'ok' if v.ok else 'rejected: ' + v.reason}")
+    return out
+
+
+def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_configs: bool = True) -> str:
+    """The doctor's report as text: one section per distinct MoE scheme loading resolves (unquantized
+    layers listed). Raises ValueError where loading would (the same message, or the flag's).
+
+    launch_configs=False leaves out the CUDA launch-config table (the demo's short plan)."""
+    cp = resolve_checkpoint(model_dir, tp, device)
+    d = cp.dims
+    out = [f"checkpoint: {model_dir}",
+           f"MoE: E={d.experts}, top_k={d.top_k}, H={d.hidden}, I={d.intermediate}; TP={tp} -> I per rank "
+           f"{d.intermediate // tp}",
+           f"MoE layers: {len(cp.prefixes)} of {d.num_layers}, {cp.naming}; schemes as loading resolves them:"]  # fmt: skip
+    out += [f"  layers {_layers_text(g.layers)}: {g.describe()}" for g in cp.groups]
+    for g in cp.groups:
+        if g.scheme is not None:
+            out += [""] + _scheme_plan(cp, g, device, launch_configs)
     return "\n".join(out)
 
 

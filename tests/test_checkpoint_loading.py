@@ -8,6 +8,7 @@ the original float weights.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -61,3 +62,190 @@ def test_tiny_checkpoint_loads_and_matches(vllm_cpu, tmp_path, kwargs):
     floats = fused_moe_ref(x, ref["layers.0.w13_float"], ref["layers.0.w2_float"], w, ids).float()
     rel = ((out - floats).norm() / floats.norm()).item()
     assert rel < (0.05 if kwargs["bits"] == 8 else 0.25), f"far from the float weights: rel {rel:.3g}"
+
+
+# ---------------------------------------------------------------- corrupted checkpoints: refused at load
+#
+# Each case writes a real checkpoint, corrupts one tensor of a random expert at a random position with a
+# random bad value (seeded), loads the layer and expects a ValueError naming the tensor, its expert and
+# layer, the bad value and where it is. Before load-time validation each of these loaded, then crashed in
+# the first forward (g_idx) or produced NaN or silently wrong output.
+
+LAYER = "model.layers.0.mlp.experts"
+
+
+def _stored(path) -> dict[str, torch.Tensor]:
+    """Every tensor of layer 0's experts, by the name below the layer prefix (e.g. '2.up_proj.scales')."""
+    return dict(_experts_of_layer0(path, "qwen3_moe"))
+
+
+def _load(vllm_cpu, path, tensors: dict[str, torch.Tensor]):
+    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    layer = build_moe_layer(vllm_cpu, raw, E=E, H=H, I=I, top_k=TOP_K)
+    list(layer.load_weights(list(tensors.items())))
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def _victim(gen: torch.Generator, suffix: str) -> tuple[int, str, str]:
+    """(expert, projection, stored name) of a random expert and projection."""
+    expert = int(torch.randint(E, (1,), generator=gen))
+    proj = ("gate_proj", "up_proj", "down_proj")[int(torch.randint(3, (1,), generator=gen))]
+    return expert, proj, f"{expert}.{proj}.{suffix}"
+
+
+def _poke(tensor: torch.Tensor, value, gen: torch.Generator) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A copy of `tensor` with `value` at one random position, and that position."""
+    flat = tensor.clone().flatten()
+    i = int(torch.randint(flat.numel(), (1,), generator=gen))
+    flat[i] = value
+    return flat.view(tensor.shape), tuple(int(j) for j in torch.unravel_index(torch.tensor(i), tensor.shape))
+
+
+def _expect(expert: int, proj: str, suffix: str, detail: str) -> str:
+    return rf"checkpoint tensor {re.escape(LAYER)}\.{expert}\.{proj}\.{suffix} \(expert {expert} of {re.escape(LAYER)}\): {detail}"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("side", ["negative", "too-large", "beyond-int32"])
+def test_g_idx_out_of_range_is_refused_at_load(vllm_cpu, tmp_path, seed, side):
+    path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, desc_act=True, hidden=H,
+                           intermediate=I, experts=E, top_k=TOP_K, layers=1, seed=seed)  # fmt: skip
+    gen = torch.Generator().manual_seed(100 + seed)
+    tensors = _stored(path)
+    expert, proj, name = _victim(gen, "g_idx")
+    groups = (I if proj == "down_proj" else H) // 32
+    g_idx = tensors[name].long()
+    value = {
+        "negative": -int(torch.randint(1, 1000, (1,), generator=gen)),
+        "too-large": groups + int(torch.randint(0, 1000, (1,), generator=gen)),
+        "beyond-int32": 2**32 + int(torch.randint(groups, (1,), generator=gen)),  # narrowing to int32 hid it
+    }[side]
+    tensors[name], (row,) = _poke(g_idx, value, gen)
+    detail = rf"g_idx\[{row}\]={value} is outside \[0, {groups}\)"
+    with pytest.raises(ValueError, match=_expect(expert, proj, "g_idx", detail)):
+        _load(vllm_cpu, path, tensors)
+
+
+def test_act_order_g_idx_without_desc_act_is_refused_at_load(vllm_cpu, tmp_path):
+    # An act-order checkpoint whose config says desc_act false would silently run with the wrong groups.
+    path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, hidden=H, intermediate=I,
+                           experts=E, top_k=TOP_K, layers=1, seed=4)  # fmt: skip
+    gen = torch.Generator().manual_seed(4)
+    tensors = _stored(path)
+    expert, proj, name = _victim(gen, "g_idx")
+    shuffled = tensors[name][torch.randperm(tensors[name].numel(), generator=gen)]
+    row = int((shuffled != tensors[name]).nonzero()[0])
+    tensors[name] = shuffled
+    detail = rf"g_idx\[{row}\]={int(shuffled[row])}, but quantization_config.desc_act is false.*\"desc_act\": true"
+    with pytest.raises(ValueError, match=_expect(expert, proj, "g_idx", detail)):
+        _load(vllm_cpu, path, tensors)
+
+
+@pytest.mark.parametrize(
+    "kwargs, suffix, layout",
+    [
+        pytest.param(dict(fmt="gptq", bits=4, group_size=32), "scales", "GN", id="gptq"),
+        pytest.param(
+            dict(fmt="gptq", bits=8, group_size=-1, sym=False, checkpoint_format="gptq_v2"),
+            "scales",
+            "GN",
+            id="gptq-int8-channel",
+        ),  # fmt: skip
+        pytest.param(dict(fmt="awq", bits=4, group_size=32, sym=False), "scales", "GN", id="awq"),
+        pytest.param(dict(fmt="compressed-tensors", bits=4, group_size=32), "weight_scale", "NG", id="ct"),
+    ],
+)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_scale_is_refused_at_load(vllm_cpu, tmp_path, kwargs, suffix, layout, bad):
+    path = make_checkpoint(tmp_path / "ck", hidden=H, intermediate=I, experts=E, top_k=TOP_K, layers=1, seed=7,
+                           **kwargs)  # fmt: skip
+    gen = torch.Generator().manual_seed(hash((suffix, layout, str(bad))) % 1000)
+    tensors = _stored(path)
+    expert, proj, name = _victim(gen, suffix)
+    tensors[name], pos = _poke(tensors[name], bad, gen)
+    group, channel = pos if layout == "GN" else pos[::-1]
+    detail = rf"scale {bad:g} at output channel {channel}, group {group} is not finite"
+    with pytest.raises(ValueError, match=_expect(expert, proj, suffix, detail)):
+        _load(vllm_cpu, path, tensors)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_v1_zero_point_out_of_range_is_refused_at_load(vllm_cpu, tmp_path, bits):
+    # v1 stores zero - 1: a stored all-ones field is zero 2**bits, which int`bits` cannot hold.
+    path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=bits, group_size=32, sym=False, hidden=H,
+                           intermediate=I, experts=E, top_k=TOP_K, layers=1, seed=bits)  # fmt: skip
+    gen = torch.Generator().manual_seed(bits)
+    tensors = _stored(path)
+    expert, proj, name = _victim(gen, "qzeros")
+    top, fields = (1 << bits) - 1, 32 // bits
+    groups, words = tensors[name].shape  # (G, N / fields)
+    group, word, slot = (int(torch.randint(n, (1,), generator=gen)) for n in (groups, words, fields))
+    qzeros = tensors[name].clone()
+    qzeros[group, word] = qzeros[group, word] | torch.tensor(top << (slot * bits)).to(torch.int32)
+    tensors[name] = qzeros
+    channel = word * fields + slot  # the only all-ones field: random zero points - 1 stay below 2**bits - 1
+    detail = rf"stored zero point {top} at output channel {channel}, group {group}: .*zero {top + 1}.*gptq_v2"
+    with pytest.raises(ValueError, match=_expect(expert, proj, "qzeros", detail)):
+        _load(vllm_cpu, path, tensors)
+
+
+def _signed_unpacked_zeros(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Older compressed-tensors' zero points: (N, G) int8, zero - 2**(bits-1), from the packed (N/pf, G) form."""
+    fields = 32 // bits
+    words = packed.long() & 0xFFFFFFFF  # (N/pf, G)
+    values = (words.unsqueeze(1) >> (torch.arange(fields) * bits).view(1, -1, 1)) & ((1 << bits) - 1)
+    return (values.reshape(-1, packed.shape[-1]) - (1 << (bits - 1))).to(torch.int8)
+
+
+def test_ct_unpacked_signed_zero_points_load_and_out_of_range_is_refused(vllm_cpu, tmp_path):
+    path = make_checkpoint(tmp_path / "ck", fmt="compressed-tensors", bits=4, group_size=32, sym=False, hidden=H,
+                           intermediate=I, experts=E, top_k=TOP_K, layers=1, seed=9)  # fmt: skip
+    tensors = _stored(path)
+    unpacked = {n: _signed_unpacked_zeros(t, 4) if n.endswith("weight_zero_point") else t for n, t in tensors.items()}
+    # the unpacked form is read right: same output as the packed one
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(5, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(5)])
+    w = torch.rand(5, TOP_K, generator=g)
+    ref = load_reference(path)
+    exact = fused_moe_ref(x, ref["layers.0.w13"], ref["layers.0.w2"], w, ids).float()
+    for form in (tensors, unpacked):
+        layer = _load(vllm_cpu, path, form)
+        out = layer.quant_method.apply(layer, x, w, ids, None, None).float()
+        assert (out - exact).abs().max() <= exact.abs().max() * 2**-6
+    expert, proj, name = _victim(g, "weight_zero_point")
+    value = int(torch.randint(8, 128, (1,), generator=g)) * (1 if torch.rand(1, generator=g) < 0.5 else -1)
+    value = -9 if value == -8 else value  # -8 is in range
+    unpacked[name], (channel, group) = _poke(unpacked[name], value, g)
+    detail = rf"zero point {value} at output channel {channel}, group {group} is outside int4's signed range -8\.\.7"
+    with pytest.raises(ValueError, match=_expect(expert, proj, "weight_zero_point", detail)):
+        _load(vllm_cpu, path, unpacked)
+
+
+@pytest.mark.parametrize(
+    "suffix, bad, detail",
+    [
+        pytest.param("weight_scale", lambda t: t.double(), r"expected dtype .*found torch.float64", id="scale-fp64"),
+        pytest.param("weight_scale", lambda t: t.T.contiguous(), r"expected shape", id="scale-transposed"),
+        pytest.param("weight_packed", lambda t: t.view(torch.float32), r"expected dtype torch.int32", id="packed-f32"),
+        pytest.param("weight_packed", lambda t: t[:, :-1], r"expected shape", id="packed-short"),
+        pytest.param("weight_shape", lambda t: t.float(), r"expected dtype torch.int32 or torch.int64", id="shape-f32"),
+        pytest.param("weight_shape", lambda t: t.flip(0), r"weight_shape \[\d+, \d+\] != expected", id="shape-swapped"),
+        pytest.param(
+            "weight_zero_point",
+            lambda t: t.long(),
+            r"expected int32 \(\d+, \d+\) \(packed\) or int8/int32",
+            id="zp-int64",
+        ),  # fmt: skip
+    ],
+)
+def test_wrong_dtype_or_shape_is_named_at_load(vllm_cpu, tmp_path, suffix, bad, detail):
+    path = make_checkpoint(tmp_path / "ck", fmt="compressed-tensors", bits=4, group_size=32, sym=False, hidden=H,
+                           intermediate=I, experts=E, top_k=TOP_K, layers=1, seed=11)  # fmt: skip
+    gen = torch.Generator().manual_seed(11)
+    tensors = _stored(path)
+    expert, proj, name = _victim(gen, suffix)
+    tensors[name] = bad(tensors[name])
+    with pytest.raises(ValueError, match=_expect(expert, proj, suffix, detail)):
+        _load(vllm_cpu, path, tensors)

@@ -167,12 +167,26 @@ def test_missing_expert_tensor_is_named_at_load(vllm_cpu):
         layer.quant_method.process_weights_after_loading(layer)
 
 
+def test_missing_tensor_is_named_by_its_global_expert_id(vllm_cpu, monkeypatch):
+    # Expert placement as under EP, where local and global ids differ: global g lives at local (g + 1) % E.
+    monkeypatch.setattr(_vllm, "layer_local_expert_id", lambda layer, g: (g + 1) % E)
+    q13, q2 = _random_experts(4, 32, True, seed=8)
+    weights = [(n, t) for n, t in _weights("gptq", q13, q2) if n != "2.down_proj.qweight"]
+    layer = _build(vllm_cpu, RAW["gptq"](4, 32, True))
+    list(layer.load_weights(weights))
+    with pytest.raises(ValueError, match=r"missing 1 tensor.*: model\.layers\.0\.mlp\.experts\.2\.down_proj\.qweight "):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
 def test_misshaped_tensor_is_a_clear_error(vllm_cpu):
     q13, q2 = _random_experts(4, 32, True, seed=6)
     weights = _weights("gptq", q13, q2)
     weights = [(n, t[:-8] if n == "1.down_proj.qweight" else t) for n, t in weights]
     layer = _build(vllm_cpu, RAW["gptq"](4, 32, True))
-    with pytest.raises(ValueError, match=r"experts\.1\.down_proj\.qweight: expected shape \(16, 128\)"):
+    expected = (
+        r"experts\.1\.down_proj\.qweight \(expert 1 of model\.layers\.0\.mlp\.experts\): expected shape \(16, 128\)"
+    )
+    with pytest.raises(ValueError, match=expected):
         list(layer.load_weights(weights))
 
 

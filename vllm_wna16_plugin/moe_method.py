@@ -16,7 +16,7 @@ from vllm_wna16_plugin.backends import KernelTensors, MoEProblem
 from vllm_wna16_plugin.checkpoint_config import effective_group_size
 from vllm_wna16_plugin.oracle import resolve_request, select_backend
 from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
-from vllm_wna16_plugin.weight_loading import CHECKPOINT_NAMES, MoEShapes, convert_checkpoint_tensor
+from vllm_wna16_plugin.weight_loading import CHECKPOINT_NAMES, MoEShapes, TensorName, convert_checkpoint_tensor
 
 logger = _vllm.init_logger(__name__)
 _LOGGED: set[str] = set()
@@ -89,11 +89,6 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                     full_size_k=intermediate,
                 ),
             )
-            if scheme.desc_act and shapes.group_size_w2 != scheme.group_size_for(intermediate_size_per_partition):
-                raise ValueError(
-                    f"{prefix}: act order (desc_act) with group_size={scheme.group_size} cannot be re-grouped for "
-                    f"TP={tp_size} (intermediate per rank {intermediate_size_per_partition})"
-                )
             self.shapes = shapes
             self.params_dtype = params_dtype
             self.num_local_experts = num_experts
@@ -111,10 +106,11 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             self.problem = self._make_problem(layer, has_g_idx=scheme.desc_act)
             self._select(layer)
 
-        def _ckpt_name(self, layer, expert_id: int, shard_id: str, kind: str) -> str:
+        def _ckpt_name(self, layer, expert_id: int, shard_id: str, kind: str) -> TensorName:
             """The checkpoint's name of one tensor, for messages (global expert id)."""
             proj = {"w1": layer.ckpt_gate_proj_name, "w3": layer.ckpt_up_proj_name, "w2": layer.ckpt_down_proj_name}
-            return f"{layer.layer_name}.{expert_id}.{proj.get(shard_id, shard_id)}.{CHECKPOINT_NAMES[self.scheme.pack_format][kind]}"
+            suffix = CHECKPOINT_NAMES[self.scheme.pack_format][kind]
+            return TensorName(layer.layer_name, expert_id, proj.get(shard_id, shard_id), suffix)
 
         def _make_loader(self, layer, kind: str, param_name: str):
             scheme, method = self.scheme, self
@@ -148,14 +144,20 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             required = ["qweight", "scales"] + (["qzeros"] if self.scheme.has_zero_point else [])
             if self.scheme.desc_act:
                 required.append("g_idx")
-            missing = []
-            for e in range(self.num_local_experts):
-                for shard in ("w1", "w3", "w2"):
-                    gemm = "w2" if shard == "w2" else "w13"
-                    for kind in required:
-                        if (self.param_names[(gemm, kind)], e, shard) not in self.loaded:
-                            missing.append(self._ckpt_name(layer, e, shard, kind))
-            return missing
+            missing = [
+                (e, shard, kind)
+                for e in range(self.num_local_experts)
+                for shard in ("w1", "w3", "w2")
+                for kind in required
+                if (self.param_names[("w2" if shard == "w2" else "w13", kind)], e, shard) not in self.loaded
+            ]
+            if not missing:
+                return []
+            # checkpoint names carry global expert ids (they differ from local ones under EP)
+            to_global: dict[int, int] = {}
+            for g in range(int(layer.global_num_experts)):
+                to_global.setdefault(_vllm.layer_local_expert_id(layer, g), g)
+            return [str(self._ckpt_name(layer, to_global.get(e, e), shard, kind)) for e, shard, kind in missing]
 
         def process_weights_after_loading(self, layer) -> None:
             missing = self._missing(layer)
@@ -163,7 +165,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
                 raise ValueError(
                     f"moe_wna16_plus: the checkpoint is missing {len(missing)} tensor(s) of {layer.layer_name}: "
-                    f"{', '.join(missing[:5])}{more} (local expert index; is the checkpoint complete?)"
+                    f"{', '.join(missing[:5])}{more} (is the checkpoint complete?)"
                 )
             get = lambda gemm, kind: (
                 getattr(layer, self.param_names[(gemm, kind)]) if (gemm, kind) in self.param_names else None

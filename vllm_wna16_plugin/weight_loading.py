@@ -6,10 +6,34 @@ and zero points, see packing.py), re-grouped when the TP shard boundary falls
 inside a group (scales repeated: exact), narrowed to this rank's shard of the
 intermediate dim, and repacked into the kernel layout. Wrong shapes or dtypes
 are a ValueError naming the tensor, what was expected and what was found.
+
+Values are validated here too, once per checkpoint tensor as it is loaded (a
+reduction over a tensor already on the CPU, small next to reading it from disk;
+the failing element is located only after a check fails), because some of them
+cannot be checked after conversion: GPTQ v1 zero points are shifted by one (and
+2**bits would not fit the kernel layout), an int64 g_idx is narrowed to int32,
+signed zero points are packed.
+
+    tensor        refused at load                                   trusted (every value is legal)
+    g_idx         an entry outside [0, G); with desc_act false,     -
+                  any entry other than k // group_size
+    scales        NaN or Inf, also after the cast to the layer's    zero and negative scales
+                  dtype (a float32 scale above float16's max)       (legal math: w = (q - z) * s)
+    zero points   GPTQ v1 stored 2**bits - 1 (zero 2**bits, out of  packed GPTQ v2 / AWQ / CT words: each
+                  range); unpacked signed CT values outside         field holds 0..2**bits - 1 by construction;
+                  [-2**(bits-1), 2**(bits-1))                       a symmetric checkpoint's qzeros are not
+                                                                    read (the midpoint is implied, as in
+                                                                    vLLM's GPTQ/AWQ Marlin methods)
+    qweight       -                                                 every packed word
+    weight_shape  a non-integer dtype or a value other than [N, K]  -
+
+Each message names the checkpoint tensor, its expert and layer (`TensorName`),
+the bad value and its position, and what would work.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,13 +76,119 @@ class MoEShapes:
         return (self.hidden, self.intermediate) if shard_id == "w2" else (self.intermediate, self.hidden)
 
 
-def _check(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> None:
-    if tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"checkpoint tensor {name}: expected shape {tuple(shape)}, found {tuple(tensor.shape)}")
-    if dtypes and tensor.dtype not in dtypes:
+@dataclass(frozen=True)
+class TensorName:
+    """One checkpoint tensor of one expert, for messages: str() is `{layer}.{expert}.{proj}.{suffix}`."""
+
+    layer: str  # module prefix of the routed experts, e.g. "model.layers.3.mlp.experts"
+    expert: int  # global expert id, as in the checkpoint
+    proj: str  # the checkpoint's projection name: gate_proj / up_proj / down_proj, w1 / w3 / w2, ...
+    suffix: str  # qweight, scales, qzeros, g_idx, weight_packed, ...
+
+    def __str__(self) -> str:
+        return f"{self.layer}.{self.expert}.{self.proj}.{self.suffix}"
+
+    def where(self) -> str:
+        return f"expert {self.expert} of {self.layer}"
+
+
+def _describe(name: str | TensorName) -> str:
+    """`checkpoint tensor NAME (expert E of LAYER)`; a plain string name is used as is."""
+    where = f" ({name.where()})" if isinstance(name, TensorName) else ""
+    return f"checkpoint tensor {name}{where}"
+
+
+def _first(bad: torch.Tensor) -> tuple[int, ...]:
+    """Index of the first True of a boolean mask (only called once a check has failed)."""
+    return tuple(int(i) for i in bad.nonzero()[0])
+
+
+_CORRUPT = "the checkpoint file is corrupt or was written wrongly: re-download or re-export it"
+
+
+def check_g_idx(scheme: WNA16Scheme, g_idx: torch.Tensor, k: int, name: str | TensorName) -> None:
+    """g_idx[k] = the scale group of input row k: in [0, G); without act order, exactly k // group_size."""
+    g, gs = scheme.num_groups(k), scheme.group_size_for(k)
+    lo, hi = torch.aminmax(g_idx)
+    if lo < 0 or hi >= g:
+        (row,) = _first((g_idx < 0) | (g_idx >= g))
         raise ValueError(
-            f"checkpoint tensor {name}: expected dtype {' or '.join(map(str, dtypes))}, found {tensor.dtype}"
+            f"{_describe(name)}: g_idx[{row}]={int(g_idx[row])} is outside [0, {g}): each entry is the scale "
+            f"group of an input row, and K={k} in groups of {gs} has groups 0..{g - 1}; {_CORRUPT}"
         )
+    if not scheme.desc_act:
+        expected = torch.arange(k, dtype=g_idx.dtype) // gs
+        if not torch.equal(g_idx, expected):
+            (row,) = _first(g_idx != expected)
+            raise ValueError(
+                f"{_describe(name)}: g_idx[{row}]={int(g_idx[row])}, but quantization_config.desc_act is false, "
+                f"which means g_idx[k] = k // group_size ({int(expected[row])} here): this checkpoint was "
+                'quantized with act order; set "desc_act": true in its config.json'
+            )
+
+
+def check_scales(scales: torch.Tensor, dtype: torch.dtype | None, layout: str, name: str | TensorName) -> None:
+    """Every scale finite, in the checkpoint's dtype and after the cast to the layer's `dtype`.
+
+    layout: "GN" (GPTQ, AWQ: (G, N)) or "NG" (compressed-tensors: (N, G)), for the position in messages.
+    """
+    cast = scales if dtype is None else scales.to(dtype)
+    if bool(torch.isfinite(cast).all()):
+        return
+    idx = _first(~torch.isfinite(cast))
+    group, channel = idx if layout == "GN" else idx[::-1]
+    value = scales[idx].item()
+    at = f"scale {value:g} at output channel {channel}, group {group}"
+    if math.isfinite(value):
+        wider = "bfloat16 or float32" if dtype == torch.float16 else "float32"
+        raise ValueError(
+            f"{_describe(name)}: {at} overflows {dtype} (the layer's dtype, largest finite "
+            f"{torch.finfo(dtype).max:g}); load the model with dtype {wider} (vLLM's --dtype)"
+        )
+    raise ValueError(f"{_describe(name)}: {at} is not finite (it would make the expert's output NaN); {_CORRUPT}")
+
+
+def check_gptq_v1_zeros(
+    stored: torch.Tensor,  # (N, G) int32: the unpacked stored values, zero - 1
+    bits: int,
+    name: str | TensorName,
+) -> None:
+    """GPTQ v1 stores zero - 1, so a stored 2**bits - 1 is zero 2**bits: outside int`bits`, and read differently
+    by different tools (AutoGPTQ and vLLM's GPTQ linear kernels use 2**bits, a per-field wrap gives 0, GPTQModel's
+    v1 -> v2 conversion carries into the neighbouring field); refused rather than guessed."""
+    top = (1 << bits) - 1
+    if int(stored.max()) < top:
+        return
+    channel, group = _first(stored == top)
+    raise ValueError(
+        f"{_describe(name)}: stored zero point {top} at output channel {channel}, group {group}: a GPTQ v1 "
+        f'checkpoint ("checkpoint_format": "gptq") stores zero - 1, so this is zero {top + 1}, outside int{bits}\'s '
+        f"0..{top}, and tools disagree on what it means; re-export the checkpoint as gptq_v2 "
+        '("checkpoint_format": "gptq_v2", zero points stored as they are)'
+    )
+
+
+def check_signed_zeros(zeros: torch.Tensor, bits: int, name: str | TensorName) -> None:
+    """Unpacked compressed-tensors zero points are signed: in [-2**(bits-1), 2**(bits-1))."""
+    lo_ok, hi_ok = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    lo, hi = torch.aminmax(zeros)
+    if lo >= lo_ok and hi <= hi_ok:
+        return
+    channel, group = _first((zeros < lo_ok) | (zeros > hi_ok))
+    raise ValueError(
+        f"{_describe(name)}: zero point {int(zeros[channel, group])} at output channel {channel}, group {group} "
+        f"is outside int{bits}'s signed range {lo_ok}..{hi_ok} (unpacked compressed-tensors zero points are "
+        f"q - {1 << (bits - 1)}); {_CORRUPT}"
+    )
+
+
+def _check(
+    name: str | TensorName, tensor: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{_describe(name)}: expected shape {tuple(shape)}, found {tuple(tensor.shape)}")
+    if dtypes and tensor.dtype not in dtypes:
+        raise ValueError(f"{_describe(name)}: expected dtype {' or '.join(map(str, dtypes))}, found {tensor.dtype}")
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -66,14 +196,30 @@ _INT32 = (torch.int32,)
 
 
 def unpack_checkpoint_tensor(
-    scheme: WNA16Scheme, kind: str, tensor: torch.Tensor, n: int, k: int, name: str
+    scheme: WNA16Scheme,
+    kind: str,
+    tensor: torch.Tensor,
+    n: int,
+    k: int,
+    name: str | TensorName,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """One checkpoint tensor of an (N, K) matrix -> logical (N, K) ints, (N, G) scales/zeros, or (K,) g_idx."""
+    """One checkpoint tensor of an (N, K) matrix -> logical (N, K) ints, (N, G) scales/zeros, or (K,) g_idx.
+
+    Checks the shape, the dtype and the values (module docstring); `dtype` is the layer's, which scales must
+    stay finite in (None: the checkpoint's own).
+    """
     bits, pf, fmt = scheme.bits, scheme.pack_factor, scheme.pack_format
     g = scheme.num_groups(k)
     if kind == "g_idx":
         _check(name, tensor, (k,), _INT32 + (torch.int64,))
+        check_g_idx(scheme, tensor, k, name)
         return tensor.to(torch.int32)
+    if kind == "scales":
+        layout = "NG" if fmt is PackFormat.CT_PACKED else "GN"
+        _check(name, tensor, (n, g) if layout == "NG" else (g, n), _FLOATS)
+        check_scales(tensor, dtype, layout, name)
+        return tensor if layout == "NG" else tensor.T
     if fmt is PackFormat.GPTQ:
         if kind == "qweight":
             _check(name, tensor, (k // pf, n), _INT32)
@@ -81,10 +227,9 @@ def unpack_checkpoint_tensor(
         if kind == "qzeros":
             _check(name, tensor, (g, n // pf), _INT32)
             z = unpack_along(tensor, bits, dim=1, word_bits=32).T
-            return (z + scheme.zero_point_offset) & ((1 << bits) - 1)
-        if kind == "scales":
-            _check(name, tensor, (g, n), _FLOATS)
-            return tensor.T
+            if scheme.zero_point_offset:
+                check_gptq_v1_zeros(z, bits, name)
+            return z + scheme.zero_point_offset
     if fmt is PackFormat.AWQ:
         if kind == "qweight":
             _check(name, tensor, (k, n // pf), _INT32)
@@ -92,9 +237,6 @@ def unpack_checkpoint_tensor(
         if kind == "qzeros":
             _check(name, tensor, (g, n // pf), _INT32)
             return unpack_along(tensor, bits, dim=1, word_bits=32, order=AWQ_PACK_ORDER).T
-        if kind == "scales":
-            _check(name, tensor, (g, n), _FLOATS)
-            return tensor.T
     if fmt is PackFormat.CT_PACKED:
         if kind == "qweight":
             _check(name, tensor, (n, k // pf), _INT32)
@@ -103,16 +245,20 @@ def unpack_checkpoint_tensor(
             if tensor.dtype == torch.int32 and tuple(tensor.shape) == (n // pf, g):
                 return unpack_along(tensor, bits, dim=0, word_bits=32)
             # Older compressed-tensors kept zero points unpacked and signed.
-            _check(name, tensor, (n, g), (torch.int8, torch.int32))
+            if tuple(tensor.shape) != (n, g) or tensor.dtype not in (torch.int8, torch.int32):
+                raise ValueError(
+                    f"{_describe(name)}: expected int32 {(n // pf, g)} (packed) or int8/int32 {(n, g)} "
+                    f"(unpacked, signed), found {tensor.dtype} {tuple(tensor.shape)}"
+                )
+            check_signed_zeros(tensor, bits, name)
             return tensor.to(torch.int32) + scheme.symmetric_zero
-        if kind == "scales":
-            _check(name, tensor, (n, g), _FLOATS)
-            return tensor
         if kind == "shape":
+            if tensor.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{_describe(name)}: expected dtype torch.int32 or torch.int64, found {tensor.dtype}")
             if tensor.numel() != 2 or [int(v) for v in tensor.flatten().tolist()] != [n, k]:
-                raise ValueError(f"checkpoint tensor {name}: weight_shape {tensor.tolist()} != expected [{n}, {k}]")
+                raise ValueError(f"{_describe(name)}: weight_shape {tensor.tolist()} != expected [{n}, {k}]")
             return tensor
-    raise ValueError(f"checkpoint tensor {name}: kind {kind!r} is not part of the {fmt.value} format")
+    raise ValueError(f"{_describe(name)}: kind {kind!r} is not part of the {fmt.value} format")
 
 
 def shard_logical(
@@ -176,13 +322,19 @@ def to_kernel_piece(kind: str, value: torch.Tensor, bits: int, dtype: torch.dtyp
 
 
 def convert_checkpoint_tensor(
-    scheme: WNA16Scheme, shapes: MoEShapes, kind: str, shard_id: str, tensor: torch.Tensor, name: str, dtype
+    scheme: WNA16Scheme,
+    shapes: MoEShapes,
+    kind: str,
+    shard_id: str,
+    tensor: torch.Tensor,
+    name: str | TensorName,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, slice]:
     """(piece, rows): write `piece` into rows `rows` of this expert's kernel-layout tensor of `kind`."""
     if shard_id not in SHARDS:
         raise ValueError(f"shard_id must be one of {SHARDS}, got {shard_id!r}")
     n, k = shapes.full_nk(shard_id)
-    logical = unpack_checkpoint_tensor(scheme, kind, tensor.cpu(), n, k, name)
+    logical = unpack_checkpoint_tensor(scheme, kind, tensor.cpu(), n, k, name, dtype)
     if kind == "shape":
         return logical, slice(None)
     local = shard_logical(shapes, scheme, kind, shard_id, logical)

@@ -43,3 +43,17 @@ def test_to_kernel_layout_needs_a_float_scale_dtype():
     qw = quantize_rtn(torch.randn(2, 8, 64), 4, 32, has_zero_point=True)
     with pytest.raises(ValueError, match=r"dtype=torch.int32 must be a float dtype"):
         to_kernel_layout(qw, torch.int32)
+
+
+def test_gptq_v1_refuses_to_write_a_zero_point_of_zero():
+    """v1 stores zero - 1; a zero of 0 would wrap to 2**bits - 1, which the loader refuses."""
+    from vllm_wna16_plugin.packing import pack_gptq, unpack_gptq
+
+    w = torch.rand(2, 8, 64, generator=torch.Generator().manual_seed(5))  # all >= 0: every zero point is 0
+    qw = quantize_rtn(w, 4, 32, has_zero_point=True)
+    assert bool((qw.zeros == 0).all())
+    with pytest.raises(ValueError, match=r"zero point of 0 cannot be stored in GPTQ v1.*gptq_v2"):
+        pack_gptq(qw, zero_point_offset=1)
+    v2 = pack_gptq(qw, zero_point_offset=0)
+    back = unpack_gptq(v2["qweight"], v2["qzeros"], v2["scales"], 4, zero_point_offset=0, has_zero_point=True)
+    assert torch.equal(back.zeros, qw.zeros) and torch.equal(back.q, qw.q)

@@ -181,7 +181,10 @@ def pack_gptq(qw: QuantizedWeight, zero_point_offset: int = 1) -> dict[str, torc
     format AutoGPTQ/GPTQModel write by default; 0 is gptq_v2.
     """
     zeros = qw.zeros_or_midpoint() - zero_point_offset
-    zeros = zeros & ((1 << qw.bits) - 1)  # v1 stores zero 0 as 2**bits - 1 (wraps)
+    if zero_point_offset and bool((zeros < 0).any()):
+        # v1 would store zero 0 as 2**bits - 1, which readers take as 2**bits (AutoGPTQ, vLLM) or 0: the
+        # loader refuses it, so never write it
+        raise ValueError("a zero point of 0 cannot be stored in GPTQ v1 (stored zero - 1 wraps); write gptq_v2 instead")
     return {
         "qweight": pack_along(qw.q.transpose(-1, -2), qw.bits, dim=-2, word_bits=32),
         "qzeros": pack_along(zeros.transpose(-1, -2), qw.bits, dim=-1, word_bits=32),

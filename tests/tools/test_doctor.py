@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -58,7 +59,8 @@ def test_doctor_prints_the_config_error_and_exits_2(gs32_k2048, tmp_path, capsys
     cfg["quantization_config"]["bits"] = 3
     (bad / "config.json").write_text(json.dumps(cfg))
     assert main(["doctor", str(bad)]) == 2
-    assert "bits=3" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert err.startswith("vllm-wna16 doctor: error: ") and "bits=3" in err and "Traceback" not in err
 
 
 def test_layer_problem_is_the_planned_rank(gs32_k2048):
@@ -261,7 +263,7 @@ def test_doctor_refuses_a_tp_that_is_not_a_positive_int(gs32_k2048, tp):
 
 def test_cli_doctor_tp_zero_names_the_flag(gs32_k2048, capsys):
     assert main(["doctor", str(gs32_k2048), "--tp", "0"]) == 2
-    assert "--tp=0 is not a positive int" in capsys.readouterr().out
+    assert "--tp=0 is not a positive int" in capsys.readouterr().err
 
 
 def test_doctor_refuses_an_unknown_device(gs32_k2048):
@@ -306,3 +308,45 @@ def test_doctor_unreadable_config_json_is_one_value_error(tmp_path, content, mes
         (tmp_path / "config.json").write_text(content)
     with pytest.raises(ValueError, match=message):
         plan(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("device", "archs", "error", "want"),
+    [
+        ("sm90", ["sm_90"], None, "built for sm_90; covers sm90"),
+        ("sm90", ["sm_80"], None, "built for sm_80; has no code for sm90"),  # SASS runs on its major only
+        ("sm90", ["compute_80", "sm_80"], None, "covers sm90"),  # PTX is compiled for newer GPUs
+        ("sm80", ["sm_90"], None, "has no code for sm80"),
+        ("sm100", ["sm_80", "sm_90", "sm_100"], None, "covers sm100"),
+        ("cpu", ["sm_90"], None, "the cuda backend does not run on cpu"),
+        ("sm90", None, None, "not usable: not built"),
+        ("sm90", ["sm_90"], "linked with a static libstdc++", "not usable: linked with a static libstdc++"),
+    ],
+)
+def test_doctor_says_whether_the_cuda_ops_serve_the_device(device, archs, error, want):
+    from vllm_wna16_plugin.tools.doctor import cuda_ops_line
+
+    assert want in cuda_ops_line(device, archs, error)
+
+
+def test_doctor_report_has_the_cuda_ops_line(gs32_k2048):
+    assert "CUDA ops (this install): " in plan(gs32_k2048)
+
+
+def test_doctor_keeps_import_noise_off_stderr_on_a_machine_without_a_gpu(gs32_k2048):
+    """vLLM's and torch's no-GPU notes at import are not the user's concern: stderr stays empty."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the notes appear only without a GPU")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_wna16_plugin.tools.cli", "doctor", str(gs32_k2048)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "scheme: gptq int4 group 32" in done.stdout
+    assert done.stderr.strip() == "", done.stderr

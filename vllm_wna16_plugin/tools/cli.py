@@ -1,9 +1,86 @@
-"""`vllm-wna16`: the plugin's command line (demo, doctor, make-checkpoint)."""
+"""`vllm-wna16`: the plugin's command line (demo, doctor, make-checkpoint).
+
+Every verb reports errors the same way, here in `main` (one home): bad input or a bad
+file is one line on stderr, `vllm-wna16 VERB: error: MESSAGE`, and no traceback.
+The exit status follows grep's and diff's convention:
+
+    0  success
+    1  the command ran and its check failed (the demo's layers against float math)
+    2  it could not run: a usage error (argparse), or an error (user_errors()): a missing,
+       unreadable or corrupt file, a broken config.json, a checkpoint or value the plugin refuses
+
+With VLLM_WNA16_DEBUG=1 the error is raised with its traceback instead. Any other
+exception is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR = 0, 1, 2
+DEBUG_ENV = "VLLM_WNA16_DEBUG"
+
+EPILOG = (
+    f"exit status: {EXIT_OK} success; {EXIT_CHECK_FAILED} the demo's check against float math failed; "
+    f"{EXIT_ERROR} bad arguments or an error (missing, unreadable or corrupt file, broken config.json, "
+    f"a checkpoint the plugin refuses), reported as one line on stderr. Set {DEBUG_ENV}=1 to see the "
+    "traceback of an error instead."
+)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean bad input or a bad file, not a bug: reported as one line.
+
+    OSError covers FileNotFoundError, PermissionError, IsADirectoryError, ...; ValueError covers
+    the plugin's own errors and json.JSONDecodeError; safetensors raises SafetensorError for a
+    truncated or garbled file.
+    """
+    errors: list[type[BaseException]] = [OSError, ValueError]
+    try:
+        from safetensors import SafetensorError
+
+        errors.append(SafetensorError)
+    except ImportError:  # safetensors comes with torch's ecosystem, but the doctor needs none of it
+        pass
+    return tuple(errors)
+
+
+def error_message(exc: BaseException) -> str:
+    """One line for `exc`: its message with line breaks folded, and the file an OSError names."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
+        text = f"{where}: {exc.strerror}" if where is not None else exc.strerror
+    else:
+        text = str(exc)
+    if type(exc).__name__ == "SafetensorError":
+        text = f"safetensors: {text}"
+    elif type(exc).__name__ == "JSONDecodeError":
+        text = f"invalid JSON: {text}"
+    return " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(exc).__name__
+
+
+# vLLM's and torch's import-time notes on a machine without a GPU driver ("Triton is installed but 0
+# active driver(s)", "Failed to import from vllm._C", torch's "No CUDA runtime is found"): true, and not
+# the user's concern in a tool that never starts vLLM's engine on a GPU.
+NO_GPU_NOISE = ("vllm.triton_utils.importing", "vllm.platforms.interface", "torch.utils.cpp_extension")
+
+
+def quiet_import_noise(verb: str) -> None:
+    """doctor and make-checkpoint never run vLLM: only vLLM's errors are shown (VLLM_LOGGING_LEVEL, unless
+    the user set it). The demo keeps vLLM's log (and the plugin's backend explanation, which is under
+    `vllm.`), without the no-GPU notes above when it runs on CPU."""
+    if verb in ("doctor", "make-checkpoint"):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        for name in NO_GPU_NOISE:
+            logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-wna16",
         description="vllm-wna16-plugin tools: run the demo, plan a WNA16 MoE checkpoint, or write a tiny one.",
+        epilog=EPILOG,
     )
     parser.add_argument("--version", action="version", version=f"vllm-wna16-plugin {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -25,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM 0.26's moe_wna16 CUDA path), print the plan, then generate with LLM(..., quantization="
         "'moe_wna16_plus') on a CUDA GPU, or, without one, run each MoE layer through the plugin on CPU and check "
         "it against float math. Offline: nothing is downloaded.",
+        epilog=EPILOG,
     )
     add_demo_args(demo)
     demo.set_defaults(func=run_demo)
@@ -33,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="scheme, GEMM shapes, legal launch configs and backend choice of a checkpoint, from config.json",
         description="From config.json alone (no GPU): the scheme, each MoE GEMM per TP rank, the CUDA launch "
         "configs over batch sizes 1..4096 with their legality, and the backend auto would pick and why.",
+        epilog=EPILOG,
     )
     add_doctor_args(doctor)
     doctor.set_defaults(func=run_doctor)
@@ -41,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a tiny random WNA16 MoE checkpoint (gptq, awq or compressed-tensors)",
         description="Quantize random float weights into a real HF-style checkpoint directory (config.json, "
         "safetensors, a local tokenizer) and keep the float weights beside it under reference/.",
+        epilog=EPILOG,
     )
     add_make_checkpoint_args(make)
     make.set_defaults(func=run_make_checkpoint)
@@ -48,13 +129,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one verb; returns the exit status (module docstring). Usage errors exit 2 from argparse."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    if args.command == "demo":  # builds vLLM layers without a vLLM entry point: configure vLLM's logger as one would
-        from vllm_wna16_plugin import _vllm
+    try:
+        if args.command == "demo":  # builds vLLM layers without a vLLM entry point: configure its logger as one would
+            from vllm_wna16_plugin import _vllm
 
-        _vllm.configure_logging()
-    return int(args.func(args) or 0)
+            _vllm.configure_logging()
+        quiet_import_noise(args.command)  # after vLLM's dictConfig, which resets its child loggers' levels
+        return int(args.func(args) or EXIT_OK)
+    except user_errors() as exc:
+        if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
+            raise
+        sys.stdout.flush()  # the verb's output so far comes first
+        print(f"vllm-wna16 {args.command}: error: {error_message(exc)}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -14,36 +14,43 @@
    is checked against float math on the checkpoint's dequantized experts.
 
 No network and no model hub: the checkpoint and its tokenizer are written locally.
+Errors (a bad flag, a missing or corrupt file, a backend that cannot run) are raised
+and reported by cli.main as one line; the exit status is 1 when a layer's check fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
+import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from vllm_wna16_plugin.oracle import ENV_BACKEND
-from vllm_wna16_plugin.tools.doctor import DEVICES, plan
+from vllm_wna16_plugin.backends import registry
+from vllm_wna16_plugin.oracle import ENV_BACKEND, select_backend
+from vllm_wna16_plugin.tools.doctor import DEVICES, layer_problem, plan
 from vllm_wna16_plugin.tools.make_checkpoint import (
     ARCH_SPECS,
     FORMATS,
     MODEL_FILE,
+    load_config,
     load_reference,
     load_spec,
-    make_checkpoint,
+    open_safetensors,
+    spec_from_args,
+    write_checkpoint,
+    write_config,
 )
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = ("The capital of France is", "Water is made of hydrogen and", "1 2 3 4 5")
-BACKENDS = ("auto", "triton", "cuda", "marlin", "vllm_cuda", "reference")
 # The CPU check: the layer's output against float math on the same dequantized experts.
 CPU_TOLERANCE = 2**-6  # max |error| / max |exact|: bf16 rounding of the activations, not of the weights
 
@@ -53,6 +60,7 @@ class LayerCheck:
     """One MoE layer run on CPU: what ran it, how far from the float truth, how long."""
 
     prefix: str
+    backend: str
     explanation: str  # the oracle's Selection.explain()
     tokens: int
     max_rel_error: float  # max |out - exact| / max |exact|
@@ -75,28 +83,29 @@ def device_key() -> str:
 
 def _moe_tensors(path: Path, prefix: str) -> list[tuple[str, torch.Tensor]]:
     """(name below `prefix`, tensor) of every stored tensor under prefix (one layer's experts)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path / MODEL_FILE), "pt") as f:
+    with open_safetensors(path / MODEL_FILE) as f:
         return [(k.removeprefix(prefix), f.get_tensor(k)) for k in f.keys() if k.startswith(prefix)]
 
 
 def _embedded_prompts(path: Path, prompts: list[str]) -> torch.Tensor:
     """The prompts' tokens, concatenated, through the checkpoint's embedding table: (T, H) bf16."""
-    from safetensors import safe_open
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    try:
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a missing or broken file
+        raise ValueError(f"{path / 'tokenizer.json'}: cannot load the tokenizer ({exc})") from exc
     ids = [i for p in prompts for i in tokenizer.encode(p).ids]
-    with safe_open(str(path / MODEL_FILE), "pt") as f:
+    with open_safetensors(path / MODEL_FILE) as f:
         table = f.get_tensor("model.embed_tokens.weight")
     x = table[torch.tensor(ids)].float()
     # RMS-normalise as the layer's input norm would; the embedding's 0.02 scale is arbitrary.
     return (x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()).to(torch.bfloat16)
 
 
-def run_moe_layers_on_cpu(path: str | Path, prompts: list[str]) -> list[LayerCheck]:
-    """Every MoE layer of a make_checkpoint checkpoint, through the plugin's method on CPU.
+def run_moe_layers_on_cpu(path: str | Path, prompts: list[str]) -> Iterator[LayerCheck]:
+    """Every MoE layer of a make_checkpoint checkpoint, through the plugin's method on CPU; yields each
+    layer's check as soon as it is done (the demo prints progress from it).
 
     The backend comes from the oracle as in serving (VLLM_WNA16_PLUS_BACKEND honoured). Each
     layer's output is compared with fused_moe_ref on the checkpoint's float32 dequantized
@@ -109,11 +118,10 @@ def run_moe_layers_on_cpu(path: str | Path, prompts: list[str]) -> list[LayerChe
     register()
     spec = load_spec(path)
     arch = ARCH_SPECS[spec.arch]
-    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    raw = load_config(path)["quantization_config"]
     reference = load_reference(path)
     x = _embedded_prompts(path, prompts)
     gate, up, down = arch.gate_up_down
-    checks = []
     with _vllm.cpu_layer_context() as vllm_cfg:
         quant_config = _vllm.quantization_config_cls("moe_wna16_plus").from_config(raw)
         for li in range(spec.layers):
@@ -137,9 +145,9 @@ def run_moe_layers_on_cpu(path: str | Path, prompts: list[str]) -> list[LayerChe
                 x, reference[f"layers.{li}.w13"], reference[f"layers.{li}.w2"], topk_weights, topk_ids
             )
             err = (out.float() - exact.float()).abs().max() / exact.float().abs().max()
-            checks.append(LayerCheck(f"{block}.experts", layer.quant_method.selection.explain(), x.shape[0],
-                                     err.item(), seconds))  # fmt: skip
-    return checks
+            selection = layer.quant_method.selection
+            yield LayerCheck(f"{block}.experts", selection.backend.name, selection.explain(), x.shape[0],
+                             err.item(), seconds)  # fmt: skip
 
 
 def generate_on_gpu(path: Path, prompts: list[str], args: argparse.Namespace) -> list[str]:
@@ -169,7 +177,9 @@ def generate_on_gpu(path: Path, prompts: list[str], args: argparse.Namespace) ->
 
 
 def add_demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=None, help="checkpoint directory (default: a new temporary directory)")
+    p.add_argument("--out", default=None,
+                   help="checkpoint directory, kept (default: a temporary directory, removed at the end unless --keep)")  # fmt: skip
+    p.add_argument("--keep", action="store_true", help="keep the temporary checkpoint and print where it is")
     p.add_argument("--checkpoint", default=None,
                    help="run an existing make-checkpoint directory instead of writing one (the shape flags are ignored)")  # fmt: skip
     p.add_argument("--format", dest="fmt", choices=FORMATS, default="gptq")
@@ -180,7 +190,7 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
+    p.add_argument("--backend", choices=("auto", *registry()), default="auto",
                    help=f"MoE backend; sets {ENV_BACKEND} for this run (default auto)")  # fmt: skip
     p.add_argument("--prompt", action="append", dest="prompts", help="a prompt (repeatable)")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -191,42 +201,89 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     gpu.add_argument("--gpu-memory-utilization", type=float, default=0.3)
 
 
+def check_backend(path: Path, device: str, backend: str) -> None:
+    """Raise now if `--backend` cannot run this checkpoint on `device`: the oracle's check, named as typed.
+
+    The engine (and the CPU run) read the choice from the environment variable the demo sets, so their
+    own refusal would name that variable instead of the flag."""
+    if backend != "auto":
+        select_backend(layer_problem(path, device=device), backend, "--backend")
+
+
+def preflight(spec, device: str, backend: str) -> str:
+    """The plan text of the checkpoint `spec` would write, and the --backend check, from its config.json
+    alone (written to a scratch directory): every flag is judged before anything is written."""
+    scratch = Path(tempfile.mkdtemp(prefix="wna16-demo-plan-"))
+    try:
+        write_config(scratch, spec)
+        check_backend(scratch, device, backend)
+        return plan(scratch, device=device, launch_configs=False).replace(str(scratch), "(to be written)")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    """The demo command: 0 when every check passed, 1 when a layer is off. Errors raise (cli.main reports them)."""
     prompts = args.prompts or list(DEFAULT_PROMPTS)
+    device = "cpu" if args.cpu else device_key()
+    temporary = None
+    if args.checkpoint:
+        path = Path(args.checkpoint)
+        load_config(path)  # a missing or broken config.json, named, before anything else reads it
+        check_backend(path, device, args.backend)
+        print(plan(path, device=device, launch_configs=False))
+    else:
+        spec = spec_from_args(args, sym=True)  # a bad shape flag is named as typed
+        print(preflight(spec, device, args.backend))
+        path = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="wna16-demo-"))
+        temporary = None if args.out else path
+        print(flush=True)  # the plan before make-checkpoint's progress lines (stderr)
+        write_checkpoint(path, spec)
     if args.backend != "auto":
         os.environ[ENV_BACKEND] = args.backend  # read by the oracle, in the engine's processes too
     try:
-        if args.checkpoint:
-            path = Path(args.checkpoint)
-        else:
-            out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="wna16-demo-"))
-            path = make_checkpoint(out, fmt=args.fmt, bits=args.bits, group_size=args.group_size, hidden=args.hidden,
-                                   intermediate=args.intermediate, experts=args.experts, top_k=args.top_k,
-                                   layers=args.layers, sym=True)  # fmt: skip
-        device = "cpu" if args.cpu else device_key()
-        print(plan(path, device=device, launch_configs=False))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}")
-        return 2
-    if device != "cpu":
-        print(f"\nGPU: {torch.cuda.get_device_name()}; running LLM(model={str(path)!r}, quantization='moe_wna16_plus')")
-        texts = generate_on_gpu(path, prompts, args)
-        for prompt, text in zip(prompts, texts, strict=True):
-            print(f"  {prompt!r} -> {text!r}")
-        return 0
+        status = _generate(path, prompts, args) if device != "cpu" else _check_layers_on_cpu(path, prompts, args)
+    finally:
+        if temporary is not None and not args.keep:
+            shutil.rmtree(temporary, ignore_errors=True)
+            print(f"removed the temporary checkpoint {temporary} (--keep keeps it)")
+        elif temporary is not None:
+            print(f"checkpoint kept at {temporary}")
+    return status
+
+
+def _generate(path: Path, prompts: list[str], args: argparse.Namespace) -> int:
+    print(f"\nGPU: {torch.cuda.get_device_name()}; running LLM(model={str(path)!r}, quantization='moe_wna16_plus')")
+    texts = generate_on_gpu(path, prompts, args)
+    for prompt, text in zip(prompts, texts, strict=True):
+        print(f"  {prompt!r} -> {text!r}")
+    done = sum(bool(t) for t in texts)
+    print(f"\n{done}/{len(prompts)} prompts generated text with quantization='moe_wna16_plus': "
+          f"{'OK' if done == len(prompts) else 'FAILED'}")  # fmt: skip
+    return 0 if done == len(prompts) else 1
+
+
+def _check_layers_on_cpu(path: Path, prompts: list[str], args: argparse.Namespace) -> int:
     why = "--cpu given" if args.cpu else "no CUDA GPU found"
+    spec = load_spec(path)
     print(f"\n{why}: vLLM cannot generate here, so the plugin's MoE layers run on CPU instead:")
     print("vLLM's FusedMoE layer and weight loader, the backend the oracle picks, the checkpoint's router,")
     print(f"on the {len(prompts)} prompts' token embeddings; checked against float math on the dequantized experts.")
+    vllm_logger = logging.getLogger("vllm")
+    level = vllm_logger.level
+    vllm_logger.setLevel(logging.WARNING)  # vLLM's set-up notes; the plan above already gave the backend
+    checks = []
     try:
-        checks = run_moe_layers_on_cpu(path, prompts)
-    except (ValueError, FileNotFoundError) as exc:  # the plugin's load-time errors: a message, not a trace
-        print(f"error: {exc}")
-        return 2
-    for c in checks:
-        status = "ok" if c.ok else f"FAILED (tolerance {CPU_TOLERANCE:.3g})"
-        print(f"\n{c.prefix}: {c.explanation}")
-        print(
-            f"  {c.tokens} tokens, {c.seconds * 1e3:.1f} ms, max error {c.max_rel_error:.2e} of the output's max: {status}"
-        )
-    return 0 if all(c.ok for c in checks) else 1
+        for i, c in enumerate(run_moe_layers_on_cpu(path, prompts), 1):
+            status = "ok" if c.ok else f"FAILED (tolerance {CPU_TOLERANCE:.3g})"
+            print(f"  layer {i}/{spec.layers} {c.prefix}: backend {c.backend!r}, {c.tokens} tokens, "
+                  f"{c.seconds * 1e3:.1f} ms, max error {c.max_rel_error:.2e} of the output's max: {status}",
+                  flush=True)  # fmt: skip
+            checks.append(c)
+    finally:
+        vllm_logger.setLevel(level)
+    passed = sum(c.ok for c in checks)
+    print(
+        f"\n{passed}/{len(checks)} MoE layers match the float reference: {'OK' if passed == len(checks) else 'FAILED'}"
+    )
+    return 0 if passed == len(checks) else 1

@@ -379,10 +379,31 @@ def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_config
            f"{d.intermediate // tp}",
            f"MoE layers: {len(cp.prefixes)} of {d.num_layers}, {cp.naming}; schemes as loading resolves them:"]  # fmt: skip
     out += [f"  layers {_layers_text(g.layers)}: {g.describe()}" for g in cp.groups]
+    from vllm_wna16_plugin.kernels.cuda_ops import extension_archs, extension_error
+
+    out.append(cuda_ops_line(device, extension_archs(), extension_error()))
     for g in cp.groups:
         if g.scheme is not None:
             out += [""] + _scheme_plan(cp, g, device, launch_configs)
     return "\n".join(out)
+
+
+def cuda_ops_line(device: str, archs: list[str] | None, error: str | None) -> str:
+    """Whether this machine's build of the plugin's CUDA ops can serve `device` (the cuda backend)."""
+    if archs is None or error:
+        return f"CUDA ops (this install): not usable: {error or 'not built'}"
+    built = ", ".join(archs) or "no GPU code found"
+    platform, sm = DEVICES[device]
+    if platform != "cuda":
+        return f"CUDA ops (this install): built for {built}; the cuda backend does not run on {device}"
+    # SASS runs on its own major version at an equal or higher minor; PTX is compiled for any newer GPU
+    runs = any(
+        (a.startswith("sm_") and int(a[3:]) // 10 == sm // 10 and int(a[3:]) <= sm)
+        or (a.startswith("compute_") and int(a[8:]) <= sm)
+        for a in archs
+    )
+    verdict = "covers" if runs else "has no code for"
+    return f"CUDA ops (this install): built for {built}; {verdict} {device}"
 
 
 def add_doctor_args(p: argparse.ArgumentParser) -> None:
@@ -392,9 +413,6 @@ def add_doctor_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_doctor(args) -> int:
-    try:
-        print(plan(args.model_dir, tp=args.tp, device=args.device))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}")
-        return 2
+    """Errors propagate: cli.main turns them into one line on stderr and exit status 2."""
+    print(plan(args.model_dir, tp=args.tp, device=args.device))
     return 0

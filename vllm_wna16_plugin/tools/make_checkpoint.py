@@ -37,9 +37,14 @@ On-disk conventions (what the maker writes; `packing.py` reads the same):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import errno
 import json
 import logging
-from dataclasses import asdict, dataclass
+import os
+from collections.abc import Iterator
+from dataclasses import InitVar, asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -75,9 +80,24 @@ ARCH_SPECS = {
 }
 
 
+# The command-line flag of each CheckpointSpec field (make-checkpoint's, and the demo's for those it has).
+CLI_FLAGS = {
+    "fmt": "--format", "bits": "--bits", "group_size": "--group-size", "sym": "--sym/--asym", "arch": "--arch",
+    "hidden": "--hidden", "intermediate": "--intermediate", "experts": "--experts", "top_k": "--top-k",
+    "layers": "--layers", "vocab_size": "--vocab-size", "quantize_attention": "--no-quantize-attention",
+    "seed": "--seed", "checkpoint_format": "--checkpoint-format", "desc_act": "--desc-act",
+    "group_size_null": "--group-size-null",
+}  # fmt: skip
+_UNSET = object()
+
+
 @dataclass(frozen=True)
 class CheckpointSpec:
-    """The validated arguments of `make_checkpoint` (see its docstring)."""
+    """The validated arguments of `make_checkpoint` (see its docstring).
+
+    cli_flags=True (not a field): messages name the command-line flags (`--group-size 48`) instead
+    of the Python arguments (`group_size=48`), as `spec_from_args` builds it.
+    """
 
     fmt: str
     bits: int = 4
@@ -95,56 +115,67 @@ class CheckpointSpec:
     checkpoint_format: str = "gptq"
     desc_act: bool = False
     group_size_null: bool = False
+    cli_flags: InitVar[bool] = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, cli_flags: bool) -> None:
+        def name(field: str) -> str:
+            return CLI_FLAGS[field] if cli_flags else field
+
+        def arg(field: str, value=_UNSET) -> str:
+            """`field=value` (Python) or `--flag value` (command line); a set boolean is the bare flag."""
+            value = getattr(self, field) if value is _UNSET else value
+            if not cli_flags:
+                return f"{field}={value!r}"
+            return CLI_FLAGS[field] if isinstance(value, bool) else f"{CLI_FLAGS[field]} {value}"
+
         if self.fmt not in FORMATS:
-            raise ValueError(f"fmt={self.fmt!r} is not supported; supported: {list(FORMATS)}")
+            raise ValueError(f"{arg('fmt')} is not supported; supported: {list(FORMATS)}")
         if self.arch not in ARCHS:
-            raise ValueError(f"arch={self.arch!r} is not supported; supported: {list(ARCHS)}")
+            raise ValueError(f"{arg('arch')} is not supported; supported: {list(ARCHS)}")
         if self.bits not in (4, 8):
-            raise ValueError(f"bits={self.bits} is not supported; supported: 4, 8")
+            raise ValueError(f"{arg('bits')} is not supported; supported: 4, 8")
         if self.fmt == "awq" and self.bits != 4:
             raise ValueError(
-                f"fmt='awq' with bits={self.bits}: AWQ GEMM checkpoints are 4-bit only; "
-                "use fmt='gptq' or 'compressed-tensors' for 8-bit"
+                f"{arg('fmt')} with {arg('bits')}: AWQ GEMM checkpoints are 4-bit only; "
+                f"use {arg('fmt', 'gptq')} or {arg('fmt', 'compressed-tensors')} for 8-bit"
             )
-        for name in ("hidden", "intermediate"):
-            value = getattr(self, name)
-            if value <= 0 or value % DIM_MULTIPLE:
-                raise ValueError(f"{name}={value} must be a positive multiple of {DIM_MULTIPLE}")
+        for field in ("hidden", "intermediate"):
+            if getattr(self, field) <= 0 or getattr(self, field) % DIM_MULTIPLE:
+                raise ValueError(f"{arg(field)} must be a positive multiple of {DIM_MULTIPLE}")
         if self.group_size != -1:
             if self.group_size <= 0:
                 raise ValueError(
-                    f"group_size={self.group_size} is not supported; use a positive group size or -1 (channel-wise)"
+                    f"{arg('group_size')} is not supported; use a positive group size or "
+                    f"{arg('group_size', -1)} (channel-wise)"
                 )
-            for name in ("hidden", "intermediate"):
-                if getattr(self, name) % self.group_size:
+            for field in ("hidden", "intermediate"):
+                if getattr(self, field) % self.group_size:
                     raise ValueError(
-                        f"group_size={self.group_size} does not divide {name}={getattr(self, name)}; "
-                        f"use a divisor of both hidden and intermediate, or -1 (channel-wise)"
+                        f"{arg('group_size')} does not divide {arg(field)}; use a divisor of both "
+                        f"{name('hidden')} and {name('intermediate')}, or {arg('group_size', -1)} (channel-wise)"
                     )
         if self.experts < 1 or not 1 <= self.top_k <= self.experts:
-            raise ValueError(f"need experts >= 1 and 1 <= top_k <= experts, got {self.experts=}, {self.top_k=}")
-        if self.layers < 1:
-            raise ValueError(f"layers={self.layers} must be >= 1")
-        if self.checkpoint_format not in GPTQ_CHECKPOINT_FORMATS:
             raise ValueError(
-                f"checkpoint_format={self.checkpoint_format!r} is not supported; "
-                f"supported: {list(GPTQ_CHECKPOINT_FORMATS)}"
+                f"need {name('experts')} >= 1 and 1 <= {name('top_k')} <= {name('experts')}, "
+                f"got {arg('experts')}, {arg('top_k')}"
             )
+        if self.layers < 1:
+            raise ValueError(f"{arg('layers')} must be >= 1")
+        if self.checkpoint_format not in GPTQ_CHECKPOINT_FORMATS:
+            raise ValueError(f"{arg('checkpoint_format')} is not supported; supported: {list(GPTQ_CHECKPOINT_FORMATS)}")
         if self.fmt != "gptq" and self.checkpoint_format != "gptq":
-            raise ValueError(f"checkpoint_format={self.checkpoint_format!r} applies to fmt='gptq' only")
+            raise ValueError(f"{arg('checkpoint_format')} applies to {arg('fmt', 'gptq')} only")
         if self.desc_act and self.fmt != "gptq":
-            raise ValueError(f"desc_act=True applies to fmt='gptq' only, not fmt={self.fmt!r}")
+            raise ValueError(f"{arg('desc_act')} applies to {arg('fmt', 'gptq')} only, not {arg('fmt')}")
         if self.group_size_null and (self.fmt != "compressed-tensors" or self.group_size != -1):
             raise ValueError(
-                "group_size_null=True writes a channel-wise compressed-tensors config; "
-                f"it needs fmt='compressed-tensors' and group_size=-1, got fmt={self.fmt!r}, "
-                f"group_size={self.group_size}"
+                f"{arg('group_size_null')} writes a channel-wise compressed-tensors config; it needs "
+                f"{arg('fmt', 'compressed-tensors')} and {arg('group_size', -1)}, got {arg('fmt')}, "
+                f"{arg('group_size')}"
             )
         tok_vocab = tiny_tokenizer.tiny_vocab_size()
         if self.vocab_size is not None and self.vocab_size < tok_vocab:
-            raise ValueError(f"vocab_size={self.vocab_size} is smaller than the tokenizer's {tok_vocab} tokens")
+            raise ValueError(f"{arg('vocab_size')} is smaller than the tokenizer's {tok_vocab} tokens")
 
     @property
     def head_dim(self) -> int:
@@ -220,10 +251,17 @@ def make_checkpoint(
     return write_checkpoint(out_dir, spec)
 
 
+def spec_from_args(args: argparse.Namespace, **fixed) -> CheckpointSpec:
+    """The CheckpointSpec of parsed command-line flags (make-checkpoint's or the demo's; `fixed` overrides).
+
+    Its errors name the flags the user typed (CLI_FLAGS)."""
+    fields = {f.name for f in dataclasses.fields(CheckpointSpec)}
+    kwargs = {field: value for field, value in vars(args).items() if field in fields}
+    return CheckpointSpec(**{**kwargs, **fixed}, cli_flags=True)
+
+
 def write_checkpoint(out_dir: str | Path, spec: CheckpointSpec) -> Path:
     """make_checkpoint for an already validated CheckpointSpec."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     logger.info("make-checkpoint: writing %s %s int%d to %s", spec.arch, spec.fmt, spec.bits, out)
@@ -278,14 +316,14 @@ def write_checkpoint(out_dir: str | Path, spec: CheckpointSpec) -> Path:
     tensors["model.norm.weight"] = _norm_weight(gen, h)
     tensors["lm_head.weight"] = _randn(gen, vocab, h, std=0.02).to(FLOAT_DTYPE)
 
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / MODEL_FILE), metadata={"format": "pt"})
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, out / MODEL_FILE, metadata={"format": "pt"})
     (out / REFERENCE_FILE).parent.mkdir(exist_ok=True)
-    save_file(
+    save_safetensors(
         {k: v.to(torch.float32).contiguous() for k, v in reference.items()},
-        str(out / REFERENCE_FILE),
+        out / REFERENCE_FILE,
         metadata={"format": "pt", "spec": json.dumps(asdict(spec))},
     )
-    _write_config(out, spec)
+    write_config(out, spec)
     tiny_tokenizer.save_tiny_tokenizer(out, model_max_length=_MAX_POSITIONS)
     ids = tiny_tokenizer.special_token_ids()
     generation = {
@@ -299,19 +337,73 @@ def write_checkpoint(out_dir: str | Path, spec: CheckpointSpec) -> Path:
     return out
 
 
+# ---------------------------------------------------------------- reading and writing files
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str | Path) -> Iterator:
+    """safe_open(path) (torch tensors) whose errors name the file.
+
+    A truncated or garbled file (safetensors' SafetensorError, at open or at get_tensor) and a path
+    that is not a readable file become a ValueError `PATH: not a readable safetensors file (...)`.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    if not Path(path).is_file():  # safe_open's own error for a directory names no path
+        raise FileNotFoundError(
+            errno.ENOENT, "not a file" if Path(path).exists() else os.strerror(errno.ENOENT), str(path)
+        )
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as exc:
+        raise ValueError(f"{path}: not a readable safetensors file ({exc}); is it truncated or corrupt?") from exc
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, whose errors name the file (an OSError for the CLI to report)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        raise OSError(f"cannot write {path}: {exc}") from exc
+
+
+def load_config(model_dir: str | Path) -> dict:
+    """A checkpoint's config.json; a missing file is FileNotFoundError, broken JSON a ValueError naming the file."""
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON ({exc})") from exc
+
+
 def load_reference(out_dir: str | Path) -> dict[str, torch.Tensor]:
     """The float32 reference tensors of a checkpoint made by make_checkpoint (see module doc)."""
-    from safetensors.torch import load_file
-
-    return load_file(str(Path(out_dir) / REFERENCE_FILE))
+    with open_safetensors(_reference_file(out_dir)) as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def load_spec(out_dir: str | Path) -> CheckpointSpec:
     """The CheckpointSpec a checkpoint was made with (stored in the reference file's metadata)."""
-    from safetensors import safe_open
+    path = _reference_file(out_dir)
+    with open_safetensors(path) as f:
+        spec = (f.metadata() or {}).get("spec")
+    if spec is None:
+        raise ValueError(f"{path} has no 'spec' metadata: it was not written by make_checkpoint")
+    return CheckpointSpec(**json.loads(spec))
 
-    with safe_open(str(Path(out_dir) / REFERENCE_FILE), framework="pt") as f:
-        return CheckpointSpec(**json.loads(f.metadata()["spec"]))
+
+def _reference_file(out_dir: str | Path) -> Path:
+    path = Path(out_dir) / REFERENCE_FILE
+    if not path.exists():
+        raise ValueError(
+            f"{out_dir} is not a make_checkpoint directory: {path} (the float weights the checks compare with) "
+            "is missing; write one with `vllm-wna16 make-checkpoint`"
+        )
+    return path
 
 
 # ---------------------------------------------------------------- quantization per format
@@ -498,7 +590,8 @@ def ct_ignore_list(spec: CheckpointSpec) -> list[str]:
     return ignore
 
 
-def _write_config(out: Path, spec: CheckpointSpec) -> None:
+def write_config(out: Path, spec: CheckpointSpec) -> None:
+    """out/config.json (and, for compressed-tensors, its recipe) of the checkpoint `spec` describes."""
     config = _arch_config(spec)
     if spec.fmt == "gptq":
         config["quantization_config"] = gptq_quantization_config(spec)
@@ -567,28 +660,20 @@ def add_make_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.Argume
 
 
 def run_make_checkpoint(args: argparse.Namespace) -> int:
-    """Run the make-checkpoint command; 0 on success, 2 on invalid arguments (message logged)."""
-    kwargs = {
-        name: getattr(args, name)
-        for name in (
-            "fmt", "bits", "group_size", "sym", "arch", "hidden", "intermediate", "experts", "top_k",
-            "layers", "vocab_size", "quantize_attention", "seed", "checkpoint_format", "desc_act",
-            "group_size_null",
-        )
-    }  # fmt: skip
-    try:
-        path = make_checkpoint(args.out, **kwargs)
-    except ValueError as exc:
-        logger.error("make-checkpoint: %s", exc)
-        return 2
-    print(path)
+    """The make-checkpoint command: write the checkpoint and print its path; 0.
+
+    Invalid flags and I/O errors raise (ValueError naming the flag, OSError); cli.main reports them."""
+    print(write_checkpoint(args.out, spec_from_args(args)))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    parser = add_make_checkpoint_args(argparse.ArgumentParser(prog="vllm-wna16 make-checkpoint"))
-    return run_make_checkpoint(parser.parse_args(argv))
+    """`python -m vllm_wna16_plugin.tools.make_checkpoint ...` = `vllm-wna16 make-checkpoint ...`."""
+    import sys
+
+    from vllm_wna16_plugin.tools import cli
+
+    return cli.main(["make-checkpoint", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -111,19 +111,14 @@ def version_status(version: str | None = None) -> VersionStatus:
 
 
 def init_logger(name: str) -> logging.Logger:
-    """vLLM's logger for a plugin module, named under `vllm.` so that vLLM's handler prints it.
+    """A logger for a plugin module, named under `vllm.` so that vLLM's handler prints it.
 
     vLLM configures only the `vllm` logger (its handler, VLLM_LOGGING_LEVEL; no propagation). A
     logger named `vllm_wna16_plugin.x` would sit under the root logger, whose last-resort handler
     drops INFO: the backend explanation never reached `vllm serve`'s log (H200, 2026-12-03).
-    Without vLLM (doctor on a laptop) a standard logger of the same name."""
-    name = name if name.startswith("vllm.") else f"vllm.{name}"
-    try:
-        from vllm.logger import init_logger as _init
-
-        return _init(name)
-    except Exception:  # noqa: BLE001
-        return logging.getLogger(name)
+    A plain `logging.getLogger`: vLLM's own init_logger only adds the *_once helpers, which the
+    plugin does not use, and importing vLLM here cost the CLI tools 9 s before they did anything."""
+    return logging.getLogger(name if name.startswith("vllm.") else f"vllm.{name}")
 
 
 def configure_logging() -> None:

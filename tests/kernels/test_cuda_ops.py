@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import itertools
+import os
 import re
 import shutil
 from pathlib import Path
@@ -47,6 +48,39 @@ def test_extension_is_built_where_it_can_be():
         pytest.skip("no nvcc or no CUDA torch here: the package installs without the CUDA ops")
     assert extension_error() is None, extension_error()
     assert hasattr(torch.ops.wna16_plus, "moe_wna16_gemm")
+
+
+def _fatbin(*entries: tuple[int, int, int]) -> bytes:
+    """A fatbin container of (kind, arch, payload bytes) entries, laid out as nvcc writes one."""
+    import struct
+
+    body = b""
+    for kind, arch, size in entries:
+        header = struct.pack("<HHIQIIHHI", kind, 0x0101, 64, size, 0, 0, 0, 0, arch).ljust(64, b"\0")
+        body += header + bytes(range(size % 256))[:size].ljust(size, b"\1")
+    return struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
+
+
+def test_fatbin_archs_reads_the_architectures_of_every_container():
+    from vllm_wna16_plugin.kernels.cuda_ops import FATBIN_ELF, FATBIN_PTX, fatbin_archs
+
+    so = b"\x7fELF" + bytes(40) + _fatbin((FATBIN_ELF, 90, 200), (FATBIN_PTX, 90, 33)) + bytes(8)
+    so += _fatbin((FATBIN_ELF, 80, 100), (FATBIN_ELF, 100, 8)) + b"trailing"
+    assert fatbin_archs(so) == ["sm_80", "compute_90", "sm_90", "sm_100"]
+    assert fatbin_archs(b"no gpu code here") == []
+    assert fatbin_archs(_fatbin((7, 90, 10))) == []  # an unknown entry kind ends the container
+
+
+def test_the_built_extension_reports_the_architecture_it_was_built_for():
+    from vllm_wna16_plugin.kernels.cuda_ops import extension_archs
+
+    archs = extension_archs()
+    if archs is None:
+        pytest.skip("the CUDA ops are not built here")
+    wanted = os.environ.get("TORCH_CUDA_ARCH_LIST")  # CI builds 9.0
+    assert archs, "the extension carries no GPU code"
+    if wanted and ";" not in wanted and "+" not in wanted:
+        assert f"sm_{wanted.replace('.', '')}" in archs, archs
 
 
 def _gemms(H, I, tp):  # noqa: E741

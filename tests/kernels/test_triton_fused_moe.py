@@ -643,7 +643,10 @@ def test_errors_name_the_field():
         fused_moe_wna16_triton(*p.args(), bits=3)
     with pytest.raises(ValueError, match=r"activation='relu' is not supported"):
         fused_moe_wna16_triton(*p.args(), bits=4, activation="relu")
-    with pytest.raises(ValueError, match=r"w13_qweight has 32 bytes per row but x's H=64 int8 values need 64 \(it holds int4 values: bits=4\?\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"w13_qweight has 32 bytes per row but x's H=64 int8 values need 64 \(it holds int4 values: bits=4\?\)",
+    ):
         fused_moe_wna16_triton(*p.args(), bits=8)
     with pytest.raises(ValueError, match=r"out must be \(M=2, H=64\)"):
         fused_moe_wna16_triton(*p.args(), bits=4, out=torch.empty(2, 63, dtype=BF16))

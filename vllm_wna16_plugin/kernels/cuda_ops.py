@@ -35,6 +35,45 @@ def extension_error() -> str | None:
     return static_libstdcxx_error(ext.__file__)
 
 
+FATBIN_MAGIC = b"\x50\xed\x55\xba"  # 0xBA55ED50, little-endian: a fatbin container's first word
+FATBIN_PTX, FATBIN_ELF = 1, 2
+
+
+def fatbin_archs(data: bytes) -> list[str]:
+    """The code a shared object carries for each GPU architecture: "sm_90" (SASS), "compute_90" (PTX).
+
+    Container header: magic u32, version u16, header size u16 (16), payload size u64; then entries,
+    each header (kind u16, u16, header size u32, payload size u64, u32, u32, minor u16, major u16,
+    arch u32, ...) followed by its payload. Anything that does not parse is skipped."""
+    import struct
+
+    found: set[str] = set()
+    pos = data.find(FATBIN_MAGIC)
+    while pos != -1:
+        if pos + 16 <= len(data):
+            _magic, _version, header, size = struct.unpack_from("<IHHQ", data, pos)
+            entry, end = pos + header, min(pos + header + size, len(data))
+            while header == 16 and entry + 64 <= end:
+                kind, _, entry_header, payload = struct.unpack_from("<HHIQ", data, entry)
+                arch = struct.unpack_from("<I", data, entry + 28)[0]
+                if kind not in (FATBIN_PTX, FATBIN_ELF) or entry_header < 64 or arch == 0:
+                    break
+                found.add(f"{'sm' if kind == FATBIN_ELF else 'compute'}_{arch}")
+                entry += entry_header + payload
+        pos = data.find(FATBIN_MAGIC, pos + 4)
+    return sorted(found, key=lambda name: (int(name.rsplit("_", 1)[1]), name))
+
+
+def extension_archs() -> list[str] | None:
+    """fatbin_archs of the built extension, or None when it is not built."""
+    try:
+        import vllm_wna16_plugin._C as ext
+    except ImportError:
+        return None
+    with open(ext.__file__, "rb") as f:
+        return fatbin_archs(f.read())
+
+
 def static_libstdcxx_error(path: str) -> str | None:
     """Why a built extension must not be used: it carries its own static copy of libstdc++.
 

@@ -1,0 +1,47 @@
+"""setup.py's architecture choice, a pure function read out of setup.py (importing setup.py would run
+setup()): the build targets this machine's GPUs, sm80 and up, and falls back to the defaults without one."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SETUP = Path(__file__).resolve().parents[1] / "setup.py"
+
+
+def _load(*names: str) -> dict:
+    tree = ast.parse(SETUP.read_text())
+    keep = [
+        node
+        for node in tree.body
+        if (isinstance(node, ast.FunctionDef) and node.name in names)
+        or (
+            isinstance(node, ast.Assign)
+            and any(getattr(t, "id", "") in ("MIN_ARCH", "DEFAULT_ARCHS") for t in node.targets)
+        )
+    ]
+    scope: dict = {}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(SETUP), "exec"), scope)  # noqa: S102
+    return scope
+
+
+@pytest.mark.parametrize(
+    ("capabilities", "want"),
+    [
+        ([(9, 0)], "9.0"),  # one H100/H200
+        ([(9, 0)] * 8, "9.0"),
+        ([(8, 0), (8, 6)], "8.0;8.6"),
+        ([(10, 0), (9, 0)], "9.0;10.0"),
+        ([(7, 5), (8, 9)], "8.9"),  # a T4 beside an L4: the T4 cannot run the CUDA kernels
+        ([(7, 0)], None),
+        ([], None),
+    ],
+)
+def test_the_build_targets_this_machines_gpus(capabilities, want):
+    assert _load("local_cuda_archs")["local_cuda_archs"](capabilities) == want
+
+
+def test_defaults_cover_ampere_hopper_blackwell():
+    assert _load()["DEFAULT_ARCHS"] == "8.0;9.0;10.0"

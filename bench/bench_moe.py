@@ -7,8 +7,16 @@ R rotating weight copies (so the weights are not L2-resident, as in decode),
 replayed `--reps` times; the median (and p20/p80) per call is reported.
 
     python bench/bench_moe.py --out bench/results/h200 [--shapes qwen3-30b-a3b,...] [--m 1,2,4]
+    python bench/bench_moe.py --model-config PATH/TO/config.json --tp 1,4 [--bits 4 --group-size 128] [--dry-run]
 
-Writes <out>/<date>-<commit>.md and .csv and prints the table.
+--model-config (a config.json, or the model's directory; repeatable) times that model's routed-experts layer
+as one vLLM rank runs it at each --tp size (bench/model_shapes.py: I / tp, the checkpoint's bits and group
+size, re-grouped as the plugin loads it), in shapes named like "Qwen3-30B-A3B@tp4"; --dry-run prints the
+shapes and exits before anything touches a GPU.
+
+Writes <out>/<date>-<commit>.md, .csv and .png, prints the table, and appends the rows, each with the
+device, vLLM/torch/Triton versions, commit, run name and date, to the device's CSV (<out>/results.csv;
+bench/results_table.py makes tables and plots from it).
 """
 
 from __future__ import annotations
@@ -30,23 +38,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_shapes, results_table
 
-from vllm_wna16_plugin import packing  # noqa: E402
-from vllm_wna16_plugin.backends import KernelTensors, registry  # noqa: E402
+from model_shapes import Shape, shapes_from_configs  # noqa: E402
+
+from vllm_wna16_plugin import _vllm, packing  # noqa: E402
+from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, registry  # noqa: E402
+from vllm_wna16_plugin.inputs import check_layer_tensors  # noqa: E402
 from vllm_wna16_plugin.ops import make_problem  # noqa: E402
 from vllm_wna16_plugin.oracle import select_backend  # noqa: E402
 from vllm_wna16_plugin.reference import fused_moe_ref  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    E: int
-    top_k: int
-    H: int
-    I: int  # noqa: E741
-    gs: int  # -1 channel-wise
-
+from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme  # noqa: E402
 
 SHAPES = [
     Shape("qwen3-30b-a3b", 128, 8, 2048, 768, 128),
@@ -62,8 +64,8 @@ M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
 def make_weights(s: Shape, bits: int, gen: torch.Generator):
     w13 = torch.randn(s.E, 2 * s.I, s.H, generator=gen, device="cuda") / s.H**0.5
     w2 = torch.randn(s.E, s.H, s.I, generator=gen, device="cuda") / s.I**0.5
-    q13 = packing.quantize_rtn(w13, bits, s.gs, False)
-    q2 = packing.quantize_rtn(w2, bits, s.gs, False)
+    q13 = packing.quantize_rtn(w13, bits, s.group_w13, False)  # each GEMM's own (effective) group size
+    q2 = packing.quantize_rtn(w2, bits, s.group_w2, False)
     return q13, q2
 
 
@@ -71,8 +73,8 @@ def weight_bytes_per_expert(s: Shape, bits: int, dense: bool) -> float:
     n = 3 * s.H * s.I
     if dense:
         return n * 2.0
-    g13 = 1 if s.gs == -1 else s.H // s.gs
-    g2 = 1 if s.gs == -1 else s.I // s.gs
+    g13 = s.H // s.group_w13
+    g2 = s.I // s.group_w2
     return n * bits / 8 + (2 * s.I * g13 + s.H * g2) * 2
 
 
@@ -144,17 +146,19 @@ class VllmPaths:
         from vllm.model_executor.layers.fused_moe import fused_experts
         from vllm.model_executor.layers.fused_moe.config import (
             int4_w4a16_moe_quant_config,
+            int8_w8a16_moe_quant_config,
         )
 
-        self.fm, self.fused_experts, self.qc = fm, fused_experts, int4_w4a16_moe_quant_config
+        self.fm, self.fused_experts = fm, fused_experts
+        self.qc = {4: int4_w4a16_moe_quant_config, 8: int8_w8a16_moe_quant_config}
         self.orig = fm.should_moe_wna16_use_cuda
 
-    def int4(self, path: str, x, w, topk_weights, topk_ids, gs):
+    def int4(self, path: str, x, w, topk_weights, topk_ids, gs, bits: int = 4):
         forced = {"vllm-triton": False, "vllm-cuda": True}[path]
         orig = self.orig
         self.fm.should_moe_wna16_use_cuda = lambda *a, **kw: forced and orig(*a, **kw)
         try:
-            qc = self.qc(w1_scale=w.scales13, w2_scale=w.scales2, w1_zp=None, w2_zp=None, block_shape=[0, gs])
+            qc = self.qc[bits](w1_scale=w.scales13, w2_scale=w.scales2, w1_zp=None, w2_zp=None, block_shape=[0, gs])
             return self.fused_experts(x, w.q13, w.q2, topk_weights, topk_ids, quant_config=qc)
         finally:
             self.fm.should_moe_wna16_use_cuda = orig
@@ -182,8 +186,36 @@ class NotApplicable(Exception):
 DELEGATED = {"vllm-marlin": "marlin", "vllm-humming": "humming"}
 
 
-def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
-    """(backend, problem, prepared state) of a plugin provider or of a DELEGATED peer."""
+def layer_problem(x, w: Weights, topk_ids, gs: int, *, bits: int = 4, gs_w2: int | None = None) -> MoEProblem:
+    """The MoEProblem of the bench's tensors: make_problem's, or, where GEMM2's group size is not GEMM1's (a
+    group size re-grouped for I / tp, Shape.gs_w2), the one the plugin's layer builds for that rank: the
+    checkpoint's scheme with each GEMM's group size read off its scales (checked as make_problem checks)."""
+    if gs_w2 is None:
+        return make_problem(x, w.q13, w.q2, w.scales13, w.scales2, topk_ids, bits=bits, group_size=gs,
+                            has_zero_point=False)  # fmt: skip
+    shape = check_layer_tensors(x, w.q13, w.q2, w.scales13, w.scales2, torch.empty(topk_ids.shape, device=x.device),
+                                topk_ids, bits=bits, group_size=None)  # fmt: skip
+    if shape.group_size_w2 != gs_w2:
+        raise ValueError(f"w2_scales give group size {shape.group_size_w2}, the shape says {gs_w2}")
+    platform, sm = _vllm.platform_summary() if x.is_cuda else ("cpu", None)
+    return MoEProblem(
+        scheme=WNA16Scheme(bits, gs, False, PackFormat.GPTQ, source="moe_wna16 layout"),
+        hidden=shape.hidden,
+        intermediate=shape.intermediate,
+        num_experts=shape.num_experts,
+        global_num_experts=shape.num_experts,
+        top_k=shape.top_k,
+        group_size_w13=shape.group_size_w13,
+        group_size_w2=shape.group_size_w2,
+        act_dtype=x.dtype,
+        platform=platform,
+        sm=sm,
+    )
+
+
+def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4, gs_w2: int | None = None):
+    """(backend, problem, prepared state) of a plugin provider or of a DELEGATED peer (gs: the scheme's group
+    size; bits, gs_w2: Shape.bits and Shape.gs_w2, see layer_problem)."""
     name = DELEGATED.get(prov) or prov.removeprefix("plugin-")
     use_td, cuda_kernel = None, None
     if name == "cuda-gemv":  # the CUDA-core kernel, where the tensor-core one would run
@@ -194,8 +226,7 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int):
         name = "triton"  # (-alt: with the configs of --alt-config-dir, see triton_form)
     elif name.startswith("triton"):  # plugin-triton: pointer loads forced; plugin-triton-td: TD forced
         use_td, name = name.endswith("-td"), "triton"
-    problem = make_problem(x, w.q13, w.q2, w.scales13, w.scales2, topk_ids, bits=4, group_size=gs,
-                           has_zero_point=False)  # fmt: skip
+    problem = layer_problem(x, w, topk_ids, gs, bits=bits, gs_w2=gs_w2)
     if use_td is not None:
         problem.extra["use_td"] = use_td
     if cuda_kernel is not None:
@@ -281,10 +312,56 @@ def git_commit() -> str:
         return "unknown"
 
 
-def main() -> int:
+def int_list(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (argparse type: a clear error for anything else)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be positive")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
-    ap.add_argument("--m", default=",".join(map(str, M_VALUES)))
+    ap.add_argument(
+        "--shapes",
+        default=None,
+        help=f"the built-in shapes to time (default: all of them, {','.join(s.name for s in SHAPES)}; "
+        "none when --model-config is given)",
+    )
+    ap.add_argument(
+        "--model-config",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a model's config.json (or its directory): time its routed-experts layer as one vLLM rank runs it "
+        "at each --tp size (repeatable; see bench/model_shapes.py for the fields read)",
+    )
+    ap.add_argument("--tp", type=int_list, default=[1], help="tensor-parallel sizes for --model-config, e.g. 1,2,4,8")
+    ap.add_argument(
+        "--ep",
+        action="store_true",
+        help="expert parallelism across the --tp ranks (vLLM's --enable-expert-parallel): rank 0's experts, "
+        "I unsplit; --dry-run only (timing a rank's share of the routed tokens is not implemented)",
+    )
+    ap.add_argument(
+        "--bits", type=int, default=None, help="weight bits for --model-config (default: quantization_config's, else 4)"
+    )
+    ap.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="group size for --model-config, -1 channel-wise (default: quantization_config's, else 128)",
+    )
+    ap.add_argument("--name", default=None, help="the model's name in shape names (default: the config's directory)")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the shapes (and what each GEMM's group size is), the batch sizes and providers; time nothing",
+    )
+    ap.add_argument("--m", type=int_list, default=M_VALUES, help="batch sizes (tokens), e.g. 1,4,16")
     ap.add_argument(
         "--providers",
         default="plugin-auto,plugin-triton-auto,plugin-triton,plugin-triton-td,plugin-cuda,vllm-triton,vllm-cuda,"
@@ -306,6 +383,12 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "h200"))
     ap.add_argument("--tag", default="")
     ap.add_argument(
+        "--results-csv",
+        default=None,
+        metavar="PATH",
+        help="the device CSV the rows are appended to (default: <out>/results.csv); 'none' to skip",
+    )
+    ap.add_argument(
         "--write-crossover",
         nargs="?",
         const=str(ROOT / "vllm_wna16_plugin" / "crossover"),
@@ -320,7 +403,56 @@ def main() -> int:
         metavar="DIR",
         help="tuned Triton configs for the plugin-triton-alt provider (e.g. a tune.py --out copy)",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    return args
+
+
+def select_shapes(args: argparse.Namespace) -> list[Shape]:
+    """--shapes' built-in shapes (all of them when neither --shapes nor --model-config is given) and the
+    --model-config shapes; ValueError for an unknown name or a config that cannot be read or sharded."""
+    shapes = []
+    if args.shapes is not None or not args.model_config:
+        names = [n for n in (args.shapes or ",".join(s.name for s in SHAPES)).split(",") if n]
+        known = {s.name: s for s in SHAPES}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"--shapes: unknown {', '.join(unknown)}; built-in shapes: {', '.join(known)}")
+        shapes += [known[n] for n in names]
+    if args.ep and not args.model_config:
+        raise ValueError("--ep applies to --model-config shapes")
+    shapes += shapes_from_configs(args.model_config, args.tp, args.bits, args.group_size, ep=args.ep, name=args.name)
+    return shapes
+
+
+def dry_run(shapes: list[Shape], args: argparse.Namespace) -> str:
+    """What a run would time, without a GPU: each shape, where it came from, its weight bytes, the Ms."""
+    lines = []
+    for s in shapes:
+        int_gb = s.E * weight_bytes_per_expert(s, s.bits, False) / 1e9
+        bf16_gb = s.E * weight_bytes_per_expert(s, s.bits, True) / 1e9
+        lines.append(s.describe())
+        if s.note:
+            lines.append(f"  from {s.note}")
+        lines.append(f"  experts' weights per copy: int{s.bits} {int_gb:.2f} GB, bf16 {bf16_gb:.2f} GB")
+    lines.append(f"M: {','.join(map(str, args.m))}")
+    lines.append(f"providers: {args.providers}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        shapes = select_shapes(args)
+    except ValueError as exc:
+        print(f"bench_moe.py: error: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(dry_run(shapes, args))
+        return 0
+    if args.ep:
+        print("bench_moe.py: error: --ep shapes are printed by --dry-run, not timed (the rank's share of the "
+              "routed tokens needs the expert_map path)", file=sys.stderr)  # fmt: skip
+        return 2
     global ALT_CONFIG_DIR, QUEUE_AHEAD_CYCLES
     if args.launch_gap:
         QUEUE_AHEAD_CYCLES = 0
@@ -329,8 +461,7 @@ def main() -> int:
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     bw = measure_copy_bandwidth()
-    shapes = [s for s in SHAPES if s.name in args.shapes.split(",")]
-    ms = [int(v) for v in args.m.split(",")]
+    ms = args.m
     providers = args.providers.split(",")
     vllm = VllmPaths()
     import triton
@@ -342,20 +473,23 @@ def main() -> int:
         f"Measured device copy bandwidth: {bw / 1e12:.2f} TB/s (read+write). CUDA-graph replay of R calls over "
         f"R rotating weight copies (L2-cold), median of {args.reps} replays, µs per layer call"
         f"{', host launch included' if args.launch_gap else ' (GPU kept busy while the host launches the graph)'}. "
-        f"'%bw' = weight bytes of the experts hit / time / copy bandwidth. int4, bf16 activations.\n"
+        f"'%bw' = weight bytes of the experts hit / time / copy bandwidth. int4 (unless a shape says otherwise), "
+        f"bf16 activations.\n"
+        + "".join(f"\n- {s.describe()}; from {s.note}" for s in shapes if s.note)
+        + ("\n" if any(s.note for s in shapes) else "")
     )
     print(header, flush=True)
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for s in shapes:
-        q13, q2 = make_weights(s, 4, gen)
+        q13, q2 = make_weights(s, s.bits, gen)
         kw13, kw2 = packing.to_kernel_layout(q13, torch.bfloat16), packing.to_kernel_layout(q2, torch.bfloat16)
         # The reference sees the bf16-rounded scales the kernels see.
         q13.scales, q2.scales = kw13.scales.float(), kw2.scales.float()
         d13, d2 = packing.dequantize(q13), packing.dequantize(q2)
         del q13, q2
-        per_copy_int4 = s.E * weight_bytes_per_expert(s, 4, False)
-        per_copy_bf16 = s.E * weight_bytes_per_expert(s, 4, True)
+        per_copy_int4 = s.E * weight_bytes_per_expert(s, s.bits, False)
+        per_copy_bf16 = s.E * weight_bytes_per_expert(s, s.bits, True)
         copies = {}
 
         def get_copies(kind: str, n: int):
@@ -381,7 +515,7 @@ def main() -> int:
             results = {}
             for prov in providers:
                 dense = prov == "bf16-dense"
-                touched = hit * weight_bytes_per_expert(s, 4, dense)
+                touched = hit * weight_bytes_per_expert(s, s.bits, dense)
                 per_copy = per_copy_bf16 if dense else per_copy_int4
                 n_copies = max(1, min(8, math.ceil(150e6 / touched), int(20e9 // per_copy)))
                 ws = get_copies("bf16" if dense else "int4", n_copies)
@@ -392,17 +526,20 @@ def main() -> int:
                     if prov.startswith("plugin-") or prov in DELEGATED:
                         # Backends prepare once (Marlin repacks): only `run` is timed, as in serving.
                         if id(w) not in prepared:
-                            prepared[id(w)] = plugin_backend(prov, xc, w, tic, s.gs)
+                            prepared[id(w)] = plugin_backend(prov, xc, w, tic, s.gs, bits=s.bits, gs_w2=s.gs_w2)
                         backend, problem, state = prepared[id(w)]
                         with triton_form(prov):
                             return backend.run(problem, state, xc, twc, tic)
                     if dense:
                         return vllm.dense(xc, w.dense13, w.dense2, twc, tic)
-                    return vllm.int4(prov, xc, w, twc, tic, s.gs)
+                    return vllm.int4(prov, xc, w, twc, tic, s.gs, s.bits)
 
                 try:
-                    if prov.startswith("vllm-") and prov not in DELEGATED and s.gs == -1:
-                        raise NotApplicable("vLLM's int4 paths take one group size for both GEMMs")
+                    if prov.startswith("vllm-") and prov not in DELEGATED:
+                        if s.gs == -1 or s.group_w13 != s.group_w2:
+                            raise NotApplicable("vLLM's int4 paths take one group size for both GEMMs")
+                        if prov == "vllm-cuda" and s.bits != 4:
+                            raise NotApplicable("vLLM's CUDA WNA16 MoE kernel is int4 only")
                     out = call(ws[0]).float()
                     err = ((out - ref).norm() / ref.norm()).item()
                     if not (err < 2e-2):
@@ -439,12 +576,60 @@ def main() -> int:
             else:
                 wr.writerow([shape, m, prov, "", "", "", "", f"{r[0]}: {r[1]}"])
     plot(rows, providers, out / f"{stamp}.png")
+    if args.results_csv != "none":
+        path = append_to_device_csv(
+            rows,
+            Path(args.results_csv) if args.results_csv else None,
+            out,
+            date=str(datetime.date.today()),
+            device=dev,
+            versions=(vllm_pkg.__version__, torch.__version__, triton.__version__),
+            run=f"{git_commit()}{args.tag}",
+            copy_bw=bw,
+            reps=args.reps,
+            timing="launch-included" if args.launch_gap else "queued",
+            source=out / f"{stamp}.csv",
+        )
+        print(f"{len(rows)} rows appended to {path}")
     print(table)
     if args.write_crossover:
         # the Triton side as auto runs it (tuned TD) when that column ran
         column = "plugin-triton-auto" if "plugin-triton-auto" in providers else "plugin-triton"
         print(record_crossovers(rows, shapes, dev, Path(args.write_crossover), out / f"{stamp}.md", column))
     return 0
+
+
+def append_to_device_csv(rows, path, out, *, date, device, versions, run, copy_bw, reps, timing, source) -> Path:
+    """Append a run's rows to the device CSV (bench/results_table.py's columns, the run's metadata on each)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import results_table
+
+    commit, _, note = results_table.split_commit(run)
+    meta = {
+        "date": date,
+        "device": device,
+        "vllm": versions[0],
+        "torch": versions[1],
+        "triton": versions[2],
+        "commit": commit,
+        "run": run,
+        "run_note": note,
+        "copy_bw_tbs": f"{copy_bw / 1e12:.2f}",
+        "reps": reps,
+        "timing": timing,
+        "source": str(source.relative_to(ROOT) if source.is_relative_to(ROOT) else source),
+    }
+    out_rows = []
+    for shape, m, prov, r in rows:
+        if isinstance(r[0], float):
+            vals = {"median_us": f"{r[0]:.2f}", "p20_us": f"{r[1]:.2f}", "p80_us": f"{r[2]:.2f}"}
+            vals |= {"frac_copy_bw": f"{r[3]:.4f}", "note": ""}
+        else:
+            vals = {"note": f"{r[0]}: {r[1]}"}
+        out_rows.append({**meta, "shape": shape, "M": m, "provider": prov, **vals})
+    path = path or results_table.device_csv(out)
+    results_table.append_rows(path, out_rows)
+    return path
 
 
 def record_crossovers(
@@ -474,7 +659,7 @@ def record_crossovers(
             lines.append(f"{s.name}: {cuda_column} and {triton_column} were not both timed; no crossover")
             continue
         ranges = crossover.measured_ranges(pairs)
-        key = crossover.layer_key(s.E, s.H, s.I, s.gs, 4)
+        key = crossover.layer_key(s.E, s.H, s.I, s.gs, s.bits)
         entries[key] = {
             "cuda_m_ranges": ranges,
             "source": str(source.relative_to(ROOT) if source.is_relative_to(ROOT) else source),

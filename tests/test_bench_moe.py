@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -58,3 +59,284 @@ def test_the_alt_provider_reads_its_own_config_dir_only_while_it_runs(bench, tmp
     monkeypatch.setattr(bench, "ALT_CONFIG_DIR", None)
     with pytest.raises(bench.NotApplicable, match="--alt-config-dir"), bench.triton_form("plugin-triton-alt"):
         pass
+
+
+# ---------------------------------------------------------------- any model's shape (bench/model_shapes.py)
+
+# The routed-experts fields of real public config.json files (Hugging Face), as they are there.
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "decoder_sparse_step": 1,
+}  # fmt: skip
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_attention_heads": 32,
+}  # fmt: skip
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2,
+    "num_experts_per_tok": 6, "num_hidden_layers": 27, "first_k_dense_replace": 1, "num_attention_heads": 16,
+}  # fmt: skip
+GLM_4_5_AIR = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 4096,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1,
+    "num_experts_per_tok": 8, "num_hidden_layers": 46, "first_k_dense_replace": 1, "num_attention_heads": 96,
+}  # fmt: skip
+OLMOE_1B_7B = {
+    "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024,
+    "num_experts": 64, "num_experts_per_tok": 8, "num_hidden_layers": 16, "num_attention_heads": 16,
+}  # fmt: skip
+QWEN3_5_35B_A3B_GPTQ = {  # multimodal: the language model under text_config; a GPTQ gs32 quantization_config
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+    "text_config": {"model_type": "qwen3_5_moe_text", "hidden_size": 2048, "moe_intermediate_size": 512,
+                    "shared_expert_intermediate_size": 512, "num_experts": 256, "num_experts_per_tok": 8,
+                    "num_hidden_layers": 40, "num_attention_heads": 16},
+    "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False},
+}  # fmt: skip
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4, "num_hidden_layers": 24,
+    "num_attention_heads": 64, "quantization_config": {"quant_method": "mxfp4"},
+}  # fmt: skip
+LLAMA4_SCOUT = {  # the experts' intermediate_size; intermediate_size_mlp is the dense layers'
+    "architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+    "text_config": {"model_type": "llama4_text", "hidden_size": 5120, "intermediate_size": 8192,
+                    "intermediate_size_mlp": 16384, "num_local_experts": 16, "num_experts_per_tok": 1,
+                    "num_attention_heads": 40},
+}  # fmt: skip
+
+
+@pytest.fixture()
+def shapes(monkeypatch):
+    bench_dir = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench_dir))
+    monkeypatch.delitem(sys.modules, "model_shapes", raising=False)
+    import model_shapes
+
+    return model_shapes
+
+
+def _dims(s):
+    return (s.E, s.top_k, s.H, s.I, s.gs, s.bits, s.group_w13, s.group_w2)
+
+
+@pytest.mark.parametrize(
+    ("config", "tp", "dims"),
+    [
+        # (E, top_k, H, I per rank, scheme group, bits, gate/up group, down group): I // tp, E whole
+        (QWEN3_30B_A3B, 1, (128, 8, 2048, 768, 128, 4, 128, 128)),
+        (QWEN3_30B_A3B, 2, (128, 8, 2048, 384, 128, 4, 128, 128)),
+        (QWEN3_30B_A3B, 4, (128, 8, 2048, 192, 128, 4, 128, 64)),  # 192 = 1.5 groups: re-grouped exactly
+        (QWEN3_30B_A3B, 8, (128, 8, 2048, 96, 128, 4, 128, 32)),
+        (MIXTRAL_8X7B, 1, (8, 2, 4096, 14336, 128, 4, 128, 128)),
+        (MIXTRAL_8X7B, 2, (8, 2, 4096, 7168, 128, 4, 128, 128)),
+        (MIXTRAL_8X7B, 4, (8, 2, 4096, 3584, 128, 4, 128, 128)),
+        (MIXTRAL_8X7B, 8, (8, 2, 4096, 1792, 128, 4, 128, 128)),
+        (DEEPSEEK_V2_LITE, 1, (64, 6, 2048, 1408, 128, 4, 128, 128)),
+        (DEEPSEEK_V2_LITE, 2, (64, 6, 2048, 704, 128, 4, 128, 64)),
+        (DEEPSEEK_V2_LITE, 4, (64, 6, 2048, 352, 128, 4, 128, 32)),
+        (DEEPSEEK_V2_LITE, 8, (64, 6, 2048, 176, 128, 4, 128, 16)),
+        (GLM_4_5_AIR, 1, (128, 8, 4096, 1408, 128, 4, 128, 128)),
+        (GLM_4_5_AIR, 8, (128, 8, 4096, 176, 128, 4, 128, 16)),
+        (OLMOE_1B_7B, 1, (64, 8, 2048, 1024, 128, 4, 128, 128)),  # num_experts + intermediate_size
+        (OLMOE_1B_7B, 8, (64, 8, 2048, 128, 128, 4, 128, 128)),
+        (QWEN3_5_35B_A3B_GPTQ, 1, (256, 8, 2048, 512, 32, 4, 32, 32)),  # text_config; gs32 from the checkpoint
+        (QWEN3_5_35B_A3B_GPTQ, 2, (256, 8, 2048, 256, 32, 4, 32, 32)),
+        (QWEN3_5_35B_A3B_GPTQ, 4, (256, 8, 2048, 128, 32, 4, 32, 32)),
+        (QWEN3_5_35B_A3B_GPTQ, 8, (256, 8, 2048, 64, 32, 4, 32, 32)),
+        (LLAMA4_SCOUT, 8, (16, 1, 5120, 1024, 128, 4, 128, 128)),
+    ],
+)
+def test_real_configs_give_the_shape_vllm_shards(shapes, config, tp, dims):
+    s = shapes.model_moe_shape(config, tp, name="m")
+    assert _dims(s) == dims
+    assert s.name == f"m@tp{tp}" + ("-int4-g32" if dims[4] == 32 else "")
+
+
+def test_the_fixed_shapes_are_the_derived_ones(shapes, bench):
+    """The built-in SHAPES of the tuned models are what their configs give at TP 1."""
+    fixed = {s.name: s for s in bench.SHAPES}
+    for name, cfg, gs in (("qwen3-30b-a3b", QWEN3_30B_A3B, None), ("mixtral-8x7b", MIXTRAL_8X7B, None),
+                          ("deepseek-v2-lite", DEEPSEEK_V2_LITE, None), ("qwen3.5-35b-a3b", QWEN3_5_35B_A3B_GPTQ, None)):  # fmt: skip
+        assert _dims(shapes.model_moe_shape(cfg, 1, group_size=gs)) == _dims(fixed[name]), name
+    ch = fixed["ct-channelwise"]  # channel-wise: one group over each K
+    assert (ch.group_w13, ch.group_w2) == (ch.H, ch.I)
+
+
+def test_names_notes_and_overrides(shapes):
+    s = shapes.model_moe_shape(QWEN3_30B_A3B, 4, name="Qwen3-30B-A3B")
+    assert s.name == "Qwen3-30B-A3B@tp4" and s.gs_w2 == 64 and s.gs_w13 is None
+    assert "moe_intermediate_size=768 / tp 4 = 192" in s.note and "qwen3_moe.py" in s.note
+    assert "down re-grouped 128 -> 64" in s.note and "defaults" in s.note
+    assert shapes.model_moe_shape(QWEN3_30B_A3B, 1).name == "qwen3_moe@tp1"  # no name: the model_type
+    q = shapes.model_moe_shape(QWEN3_5_35B_A3B_GPTQ, 8, name="Qwen3.5-35B-A3B")
+    assert "text_config.num_experts=256" in q.note and "quantization_config (gptq)" in q.note
+    # flags override the checkpoint's, one at a time
+    s8 = shapes.model_moe_shape(QWEN3_5_35B_A3B_GPTQ, 1, bits=8, name="q")
+    assert (s8.bits, s8.gs, s8.name) == (8, 32, "q@tp1-int8-g32") and "--bits" in s8.note
+    ch = shapes.model_moe_shape(MIXTRAL_8X7B, 2, group_size=-1, name="mx")
+    assert (ch.gs, ch.group_w13, ch.group_w2, ch.name) == (-1, 4096, 7168, "mx@tp2-int4-ch")
+    # a quantization_config that is not WNA16 is not read, and says so
+    g = shapes.model_moe_shape(GPT_OSS_20B, 2, group_size=32, name="gpt-oss-20b")
+    assert _dims(g) == (32, 4, 2880, 1440, 32, 4, 32, 32)
+    assert "'mxfp4' is not WNA16" in g.note and "swigluoai" in g.note
+    assert shapes.model_moe_shape(GPT_OSS_20B, 4, group_size=32).group_w2 == 16  # 720 = 22.5 groups of 32
+
+
+def test_expert_parallel_splits_the_experts_not_i(shapes):
+    s = shapes.model_moe_shape(QWEN3_30B_A3B, 8, ep=True, name="q")
+    assert (s.E, s.I, s.group_w2, s.name) == (16, 768, 128, "q@tp8-ep")
+    uneven = shapes.model_moe_shape({**OLMOE_1B_7B, "num_attention_heads": 48}, 3, ep=True)
+    assert uneven.E == 22 and "num_experts=64 over 3 EP ranks: 22 on rank 0" in uneven.note  # ceil(64 / 3)
+    with pytest.raises(ValueError, match=r"tp=3 with expert parallelism .*num_attention_heads=16 is not divisible"):
+        shapes.model_moe_shape(OLMOE_1B_7B, 3, ep=True)  # vLLM still splits attention over the TP ranks
+
+
+@pytest.mark.parametrize(
+    ("config", "kwargs", "message"),
+    [
+        (
+            {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336},
+            {},
+            r"no routed-experts count: none of moe_num_experts, n_routed_experts, num_experts, num_local_experts .*"
+            r"understood spellings: num_experts \+ num_experts_per_tok \+ moe_intermediate_size",
+        ),
+        (
+            {"num_experts": 64, "hidden_size": 2048},
+            {},
+            r"has num_experts but is missing num_experts_per_tok and moe_intermediate_size \(the Qwen.* spelling\) or "
+            r"num_experts_per_tok and intermediate_size \(the OLMoE spelling\); understood spellings",
+        ),
+        (
+            {"text_config": {"n_routed_experts": 64, "moe_intermediate_size": 1408, "hidden_size": 2048}},
+            {},
+            r"has text_config.n_routed_experts but is missing text_config.num_experts_per_tok",
+        ),
+        ({**MIXTRAL_8X7B, "num_experts_per_tok": 9}, {}, r"num_experts_per_tok=9 is larger than num_local_experts=8"),
+        ({**MIXTRAL_8X7B, "hidden_size": "4096"}, {}, r"hidden_size='4096' is not a positive int"),
+        ({**MIXTRAL_8X7B, "num_local_experts": True}, {}, r"num_local_experts=True is not a positive int"),
+        (
+            MIXTRAL_8X7B,
+            {"tp": 3},
+            r"tp=3 cannot load .*intermediate_size=14336 is not divisible by tp=3 .*TP sizes that work: 1, 2, 4, 8, 16$",
+        ),
+        (
+            DEEPSEEK_V2_LITE,
+            {"tp": 16},
+            r"tp=16 cannot load .*K=88 per rank .*gcd\(group_size, K\) >= 16 \(here 8\).*TP sizes that work: 1, 2, 4, 8$",
+        ),
+        (GLM_4_5_AIR, {"tp": 16}, r"K=88 per rank"),
+        (GPT_OSS_20B, {"tp": 8, "group_size": 32}, r"K=360 per rank .*TP sizes that work: 1, 2, 4$"),  # heads: no 3
+        (GPT_OSS_20B, {}, r"int4 group 128 .*cannot quantize this model's experts at any TP size: .*K=2880"),
+        (OLMOE_1B_7B, {"tp": 3}, r"intermediate_size=1024 is not divisible by tp=3"),
+        ({**OLMOE_1B_7B, "intermediate_size": 1026}, {"tp": 2}, r"tp=2 cannot load .*K=513 per rank"),
+        (QWEN3_30B_A3B, {"tp": 0}, r"tp=0 is not a positive int"),
+        (QWEN3_30B_A3B, {"bits": 3}, r"--bits=3 is not supported; supported: 4, 8"),
+        (QWEN3_30B_A3B, {"group_size": 0}, r"--group-size=0 is not supported"),
+        (
+            {**QWEN3_30B_A3B, "quantization_config": {"quant_method": "gptq", "bits": 3, "group_size": 128}},
+            {},
+            r"bits=3 is not supported",
+        ),  # a WNA16 quantization_config is parsed by the plugin, errors and all
+        ([1, 2], {}, r"config must be a dict"),
+    ],
+)
+def test_bad_configs_and_tp_sizes_say_why(shapes, config, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        shapes.model_moe_shape(config, **kwargs)
+
+
+def _write(tmp_path, name, cfg):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_cli_dry_run_prints_the_model_shapes_without_a_gpu(bench, tmp_path, capsys):
+    qwen = _write(tmp_path, "Qwen3-30B-A3B", QWEN3_30B_A3B)
+    ds = _write(tmp_path, "DeepSeek-V2-Lite", DEEPSEEK_V2_LITE)
+    rc = bench.main(["--model-config", str(qwen), "--model-config", str(ds / "config.json"), "--tp", "1,4",
+                     "--m", "1,16", "--providers", "plugin-auto,vllm-marlin", "--dry-run"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = out.splitlines()
+    heads = [ln for ln in lines if not ln.startswith(" ")][:4]
+    assert heads == [
+        "Qwen3-30B-A3B@tp1: E=128 top_k=8 H=2048 I=768 int4 group 128 (gate/up K=2048 group 128, down K=768 group 128)",
+        "Qwen3-30B-A3B@tp4: E=128 top_k=8 H=2048 I=192 int4 group 128 (gate/up K=2048 group 128, down K=192 group 64)",
+        "DeepSeek-V2-Lite@tp1: E=64 top_k=6 H=2048 I=1408 int4 group 128 (gate/up K=2048 group 128, down K=1408 "
+        "group 128)",
+        "DeepSeek-V2-Lite@tp4: E=64 top_k=6 H=2048 I=352 int4 group 128 (gate/up K=2048 group 128, down K=352 group 32)",
+    ]
+    assert "M: 1,16" in lines and "providers: plugin-auto,vllm-marlin" in lines
+    assert "  experts' weights per copy: int4 0.31 GB, bf16 1.21 GB" in lines  # Qwen3-30B-A3B at TP 1
+
+
+def test_cli_without_model_config_keeps_the_built_in_shapes(bench, tmp_path, capsys):
+    assert bench.main(["--dry-run"]) == 0
+    names = [ln.split(":")[0] for ln in capsys.readouterr().out.splitlines() if not ln.startswith(" ")]
+    assert names[: len(bench.SHAPES)] == [s.name for s in bench.SHAPES]
+    qwen = _write(tmp_path, "Q", QWEN3_30B_A3B)
+    assert bench.main(["--model-config", str(qwen), "--shapes", "mixtral-8x7b", "--tp", "8", "--dry-run"]) == 0
+    names = [ln.split(":")[0] for ln in capsys.readouterr().out.splitlines() if not ln.startswith(("  ", "M:", "prov"))]
+    assert names == ["mixtral-8x7b", "Q@tp8"]
+
+
+def test_cli_errors_are_clear(bench, tmp_path, capsys):
+    ds = _write(tmp_path, "DeepSeek-V2-Lite", DEEPSEEK_V2_LITE)
+    assert bench.main(["--model-config", str(ds), "--tp", "16", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"bench_moe.py: error: {ds}: tp=16 cannot load") and "TP sizes that work: 1, 2, 4, 8" in err
+    assert bench.main(["--model-config", str(tmp_path / "nope"), "--dry-run"]) == 2
+    assert "no such file (a config.json, or a directory holding one)" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{not json")
+    assert bench.main(["--model-config", str(tmp_path / "bad.json"), "--dry-run"]) == 2
+    assert "not JSON" in capsys.readouterr().err
+    assert bench.main(["--shapes", "nope", "--dry-run"]) == 2
+    assert "--shapes: unknown nope; built-in shapes: qwen3-30b-a3b" in capsys.readouterr().err
+    assert bench.main(["--ep", "--dry-run"]) == 2
+    assert "--ep applies to --model-config shapes" in capsys.readouterr().err
+    assert bench.main(["--model-config", str(ds), "--tp", "4", "--ep"]) == 2  # EP: shapes only, before any GPU
+    assert "--ep shapes are printed by --dry-run, not timed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tp", "two"])
+    assert "'two' is not a comma-separated list of ints" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--m", "0,4"])
+
+
+def test_split_group_sizes_make_the_problem_the_layer_makes(bench, shapes):
+    """Qwen3-30B-A3B at TP 8: gate/up in groups of 128, down (K=96) re-grouped to 32; on CPU tensors."""
+    import torch
+
+    from vllm_wna16_plugin import packing
+
+    s = shapes.model_moe_shape({**QWEN3_30B_A3B, "num_experts": 4, "num_experts_per_tok": 2, "hidden_size": 256}, 8)
+    assert (s.group_w13, s.group_w2, s.gs_w2) == (128, 32, 32)
+    gen = torch.Generator().manual_seed(0)
+    q13 = packing.quantize_rtn(torch.randn(s.E, 2 * s.I, s.H, generator=gen), 4, s.group_w13, False)
+    q2 = packing.quantize_rtn(torch.randn(s.E, s.H, s.I, generator=gen), 4, s.group_w2, False)
+    k13, k2 = packing.to_kernel_layout(q13, torch.bfloat16), packing.to_kernel_layout(q2, torch.bfloat16)
+    w = bench.Weights(k13.qweight, k2.qweight, k13.scales, k2.scales)
+    x, ids = torch.randn(3, s.H).to(torch.bfloat16), torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+    p = bench.layer_problem(x, w, ids, s.gs, bits=s.bits, gs_w2=s.gs_w2)
+    got = (p.group_size_w13, p.group_size_w2, p.scheme.group_size, p.intermediate, p.num_experts)
+    assert got == (128, 32, 128, 96, 4)
+    with pytest.raises(ValueError, match="group_size=128 does not divide w2_scales's K=96|w2_scales has 3 scale"):
+        bench.layer_problem(x, w, ids, s.gs, bits=s.bits)  # one group size cannot describe these tensors
+    # the byte count reads each GEMM's own scales: 3HI/2 bytes + (2I * H/128 + H * I/32) bf16 scales
+    assert bench.weight_bytes_per_expert(s, 4, False) == 3 * 256 * 96 / 2 + (2 * 96 * 2 + 256 * 3) * 2
+
+
+def test_what_the_bench_does_not_time_is_said(shapes):
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    s = shapes.model_moe_shape({**QWEN3_30B_A3B, "quantization_config": awq}, 2)
+    assert "quantization_config (awq)" in s.note and "timed symmetric, without the checkpoint's zero points" in s.note
+    act = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": True}
+    assert "timed without act order" in shapes.model_moe_shape({**QWEN3_30B_A3B, "quantization_config": act}, 2).note
+    with pytest.raises(
+        ValueError, match=r"tp=4 cannot load .*act order is never re-grouped.*TP sizes that work: 1, 2$"
+    ):
+        shapes.model_moe_shape({**QWEN3_30B_A3B, "quantization_config": act}, 4)  # K=192: 1.5 groups of 128

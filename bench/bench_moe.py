@@ -42,13 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_shapes, result
 
 from model_shapes import Shape, shapes_from_configs  # noqa: E402
 
-from vllm_wna16_plugin import _vllm, packing  # noqa: E402
+from vllm_wna16_plugin import packing  # noqa: E402
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, registry  # noqa: E402
-from vllm_wna16_plugin.inputs import check_layer_tensors  # noqa: E402
 from vllm_wna16_plugin.ops import make_problem  # noqa: E402
 from vllm_wna16_plugin.oracle import select_backend  # noqa: E402
 from vllm_wna16_plugin.reference import fused_moe_ref  # noqa: E402
-from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme  # noqa: E402
 
 SHAPES = [
     Shape("qwen3-30b-a3b", 128, 8, 2048, 768, 128),
@@ -187,30 +185,11 @@ DELEGATED = {"vllm-marlin": "marlin", "vllm-humming": "humming"}
 
 
 def layer_problem(x, w: Weights, topk_ids, gs: int, *, bits: int = 4, gs_w2: int | None = None) -> MoEProblem:
-    """The MoEProblem of the bench's tensors: make_problem's, or, where GEMM2's group size is not GEMM1's (a
-    group size re-grouped for I / tp, Shape.gs_w2), the one the plugin's layer builds for that rank: the
-    checkpoint's scheme with each GEMM's group size read off its scales (checked as make_problem checks)."""
-    if gs_w2 is None:
-        return make_problem(x, w.q13, w.q2, w.scales13, w.scales2, topk_ids, bits=bits, group_size=gs,
-                            has_zero_point=False)  # fmt: skip
-    shape = check_layer_tensors(x, w.q13, w.q2, w.scales13, w.scales2, torch.empty(topk_ids.shape, device=x.device),
-                                topk_ids, bits=bits, group_size=None)  # fmt: skip
-    if shape.group_size_w2 != gs_w2:
-        raise ValueError(f"w2_scales give group size {shape.group_size_w2}, the shape says {gs_w2}")
-    platform, sm = _vllm.platform_summary() if x.is_cuda else ("cpu", None)
-    return MoEProblem(
-        scheme=WNA16Scheme(bits, gs, False, PackFormat.GPTQ, source="moe_wna16 layout"),
-        hidden=shape.hidden,
-        intermediate=shape.intermediate,
-        num_experts=shape.num_experts,
-        global_num_experts=shape.num_experts,
-        top_k=shape.top_k,
-        group_size_w13=shape.group_size_w13,
-        group_size_w2=shape.group_size_w2,
-        act_dtype=x.dtype,
-        platform=platform,
-        sm=sm,
-    )
+    """The MoEProblem of the bench's tensors (make_problem's); where GEMM2's group size is not GEMM1's (a
+    group size re-grouped for I / tp, Shape.gs_w2), the pair of them, as the plugin's layer builds it."""
+    group_size = gs if gs_w2 is None else (gs, gs_w2)
+    return make_problem(x, w.q13, w.q2, w.scales13, w.scales2, topk_ids, bits=bits, group_size=group_size,
+                        has_zero_point=False)  # fmt: skip
 
 
 def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4, gs_w2: int | None = None):

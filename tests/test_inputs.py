@@ -189,3 +189,18 @@ def test_no_tokens_give_an_empty_output(backend):
     p = _problem(1, seed=15)
     out = _call(p, backend, x=p.x[:0], topk_weights=p.topk_weights[:0], topk_ids=p.topk_ids[:0])
     assert out.shape == (0, 64) and out.dtype == p.x.dtype
+
+
+def test_a_regrouped_gemm2_is_described_by_a_group_size_pair():
+    """A TP rank's I=96 of a gs128 checkpoint runs GEMM2 regrouped to 32: (128, 32), checked per GEMM."""
+    p = make_moe_problem(M=3, H=256, I=96, E=4, top_k=2, bits=4, gs1=128, gs2=32, seed=16)
+    shape = check_layer_tensors(*p.args(), **p.kwargs(), group_size=(128, 32))
+    assert (shape.group_size_w13, shape.group_size_w2) == (128, 32)
+    out = fused_moe_wna16(*p.args(), **p.kwargs(), group_size=(128, 32), backend="reference")
+    assert_close_scaled(out, fused_moe_wna16_ref(*p.args(), **p.kwargs()), torch.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"w2_scales has 3 scale groups along K=96; group_size=128 >= K needs exactly 1"
+    ):
+        check_layer_tensors(*p.args(), **p.kwargs(), group_size=128)
+    with pytest.raises(ValueError, match=r"w2_scales has 3 scale groups along K=96; group_size=48 needs 2"):
+        check_layer_tensors(*p.args(), **p.kwargs(), group_size=(128, 48))

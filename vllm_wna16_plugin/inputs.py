@@ -89,18 +89,25 @@ def check_layer_tensors(
     x, w13_qweight, w2_qweight, w13_scales, w2_scales, topk_weights, topk_ids, *, bits, group_size,
     w13_qzeros=None, w2_qzeros=None, expert_map=None,
 ) -> LayerShape:  # fmt: skip
-    """Every shape, dtype and device of a call (module docstring); ValueError naming the argument."""
+    """Every shape, dtype and device of a call (module docstring); ValueError naming the argument.
+
+    group_size: one for both GEMMs (-1: channel-wise), a (GEMM1, GEMM2) pair where a TP split regrouped
+    GEMM2's K (checkpoint_config.effective_group_size), or None: whatever the scales imply."""
     if isinstance(bits, bool) or not isinstance(bits, int):
         raise ValueError(f"bits={bits!r} must be an int, not {type(bits).__name__}; supported: {list(SUPPORTED_BITS)}")
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits!r} is not supported; supported: {list(SUPPORTED_BITS)}")
-    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
-        raise ValueError(
-            f"group_size={group_size!r} must be an int, not {type(group_size).__name__} "
-            "(a positive group size, or -1 for channel-wise)"
-        )
-    if group_size is not None and group_size != CHANNELWISE and group_size <= 0:
-        raise ValueError(f"group_size={group_size} is not supported; use a positive group size or -1 (channel-wise)")
+    pair = group_size if isinstance(group_size, tuple) and len(group_size) == 2 else (group_size, group_size)
+    for gs in pair:
+        if gs is not None and (isinstance(gs, bool) or not isinstance(gs, int)):
+            raise ValueError(
+                f"group_size={group_size!r} must be an int, not {type(gs).__name__} "
+                "(a positive group size, or -1 for channel-wise; or a (GEMM1, GEMM2) pair of them)"
+            )
+        if gs is not None and gs != CHANNELWISE and gs <= 0:
+            raise ValueError(
+                f"group_size={group_size!r} is not supported; use a positive group size or -1 (channel-wise)"
+            )
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x must be a (M, H) tensor, got {_shape(x) if isinstance(x, torch.Tensor) else type(x)}")
     m, hidden = _shape(x)
@@ -127,8 +134,8 @@ def check_layer_tensors(
     for name, t, n in (("w13_scales", w13_scales, two_i), ("w2_scales", w2_scales, hidden)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a (E={e}, N={n}, groups) float tensor")
-    g13 = _group_size("w13_scales", hidden, w13_scales.shape[-1], group_size)
-    g2 = _group_size("w2_scales", inter, w2_scales.shape[-1], group_size)
+    g13 = _group_size("w13_scales", hidden, w13_scales.shape[-1], pair[0])
+    g2 = _group_size("w2_scales", inter, w2_scales.shape[-1], pair[1])
     floats = (torch.float16, torch.bfloat16, torch.float32)
     _expect("w13_scales", w13_scales, (e, two_i, hidden // g13), floats, "(E, 2I, H/group_size)")
     _expect("w2_scales", w2_scales, (e, hidden, inter // g2), floats, "(E, H, I/group_size)")

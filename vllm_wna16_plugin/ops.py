@@ -29,7 +29,10 @@ def make_problem(
     w13_qzeros=None, w2_qzeros=None, expert_map=None,
 ) -> MoEProblem:  # fmt: skip
     """The MoEProblem described by kernel-layout tensors; every shape, dtype and device is checked
-    (inputs.check_layer_tensors: ValueError naming the argument) before any launch. Metadata only."""
+    (inputs.check_layer_tensors: ValueError naming the argument) before any launch. Metadata only.
+
+    group_size: the checkpoint's (-1: channel-wise), or a (GEMM1, GEMM2) pair where a TP split regrouped
+    GEMM2 (the scheme keeps GEMM1's)."""
     if topk_weights is None:  # callers that plan without routing weights (tests, the crossover)
         topk_weights = torch.empty(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
     shape = check_layer_tensors(
@@ -37,8 +40,9 @@ def make_problem(
         group_size=group_size, w13_qzeros=w13_qzeros, w2_qzeros=w2_qzeros, expert_map=expert_map,
     )  # fmt: skip
     platform, sm = _vllm.platform_summary() if x.is_cuda else ("cpu", None)
+    scheme_group_size = group_size[0] if isinstance(group_size, tuple) else group_size
     return MoEProblem(
-        scheme=WNA16Scheme(bits, group_size, has_zero_point, PackFormat.GPTQ, source="moe_wna16 layout"),
+        scheme=WNA16Scheme(bits, scheme_group_size, has_zero_point, PackFormat.GPTQ, source="moe_wna16 layout"),
         hidden=shape.hidden,
         intermediate=shape.intermediate,
         num_experts=shape.num_experts,

@@ -4,7 +4,9 @@ Parameters are registered under the checkpoint format's own names (so vLLM's
 expert mapping finds them) but already in the plugin's kernel layout: each
 checkpoint tensor is converted as it is loaded (weight_loading.py). After
 loading, every expected tensor is checked present, act order is dropped when
-g_idx is trivial, and the chosen backend prepares its state once.
+g_idx is trivial, and the chosen backend prepares its state once (the `triton`
+backend sorts act order's K into contiguous groups; the layer's parameters then
+hold the sorted tensors).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from vllm_wna16_plugin import _vllm
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem
+from vllm_wna16_plugin.backends.base import act_order_issue
 from vllm_wna16_plugin.checkpoint_config import effective_group_size
 from vllm_wna16_plugin.oracle import resolve_request, select_backend
 from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
@@ -186,10 +189,23 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 w13_g_idx=g13.data if has_g_idx else None,
                 w2_g_idx=g2.data if has_g_idx else None,
             )
-            if has_g_idx != self.problem.has_g_idx:
-                self.problem = self._make_problem(layer, has_g_idx=has_g_idx)
+            issue = None
+            if has_g_idx:
+                t = self.tensors
+                issue = act_order_issue(t.w13_g_idx, t.w2_g_idx, t.w13_scales, t.w2_scales)
+            if has_g_idx != self.problem.has_g_idx or issue != self.problem.act_order_issue:
+                self.problem = self._make_problem(layer, has_g_idx=has_g_idx, act_order_issue=issue)
                 self._select(layer)
             self.state = self.selection.backend.prepare(self.problem, self.tensors)
+            if isinstance(self.state, KernelTensors) and self.state.a_perm is not None:
+                # act order, sorted by the backend (backends.base.sort_act_order): the layer's parameters
+                # take the sorted tensors so that one copy stays in memory (g_idx keeps the checkpoint's
+                # order; a reload writes the checkpoint's layout into them and is sorted again here)
+                for (gemm, kind), name in self.param_names.items():
+                    new = getattr(self.state, f"{gemm}_{kind}", None)
+                    if kind in ("qweight", "scales", "qzeros") and new is not None:
+                        getattr(layer, name).data = new
+                self.tensors = self.state
 
         def _trivial_g_idx(self, g_idx, group_size) -> bool:
             if g_idx is None:
@@ -202,7 +218,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
 
         # ---------------------------------------------------------------- backend
 
-        def _make_problem(self, layer, *, has_g_idx: bool) -> MoEProblem:
+        def _make_problem(self, layer, *, has_g_idx: bool, act_order_issue: str | None = None) -> MoEProblem:
             platform, sm = _vllm.platform_summary()
             return MoEProblem(
                 scheme=self.scheme,
@@ -218,6 +234,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 platform=platform,
                 sm=sm,
                 has_g_idx=has_g_idx,
+                act_order_issue=act_order_issue,
                 use_ep=layer.expert_map is not None,
                 apply_router_weight_on_input=bool(layer.apply_router_weight_on_input),
             )

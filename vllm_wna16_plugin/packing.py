@@ -280,3 +280,60 @@ def unpack_compressed_tensors(
             raise ValueError("asymmetric compressed-tensors checkpoint has no weight_zero_point")
         zeros = unpack_along(weight_zero_point, bits, dim=-2, word_bits=32)
     return QuantizedWeight(q=q, scales=weight_scale, zeros=zeros, bits=bits, group_size=k // weight_scale.shape[-1])
+
+
+# ---------------------------------------------------------------- act order (sorted K)
+
+
+def sort_groups(g_idx: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, str | None]:
+    """(perm, issue) for act order: perm (E, K) int64 is each expert's stable sort of its g_idx (E, K),
+    so that K row perm[e, k] belongs to group k // (K / num_groups): every group one contiguous run.
+
+    issue is None when that holds, else why not (the sorted layout needs every group to hold exactly
+    K / num_groups rows, as GPTQ's and compressed-tensors' act order write them on one rank)."""
+    e, k = g_idx.shape
+    sorted_g, perm = torch.sort(g_idx.long(), dim=-1, stable=True)
+    if num_groups <= 0 or k % num_groups:
+        return perm, f"K={k} rows cannot form {num_groups} equal groups"
+    gs = k // num_groups
+    expected = torch.arange(k, device=g_idx.device) // gs
+    bad = (sorted_g != expected).any(-1)
+    if not bool(bad.any()):
+        return perm, None
+    ex = int(bad.nonzero()[0])
+    counts = torch.bincount(g_idx[ex].long().clamp(min=0), minlength=num_groups)
+    group = int((counts != gs).nonzero()[0])
+    return perm, (
+        f"local expert {ex}: group {group} has {int(counts[group])} of K={k} rows, not group_size={gs} "
+        "(sorting K by g_idx needs equal groups; under tensor parallelism a group's rows may be split "
+        "across ranks)"
+    )
+
+
+def permute_k(qweight: torch.Tensor, perm: torch.Tensor, bits: int) -> torch.Tensor:
+    """Kernel-layout qweight (E, N, K*bits/8) with each expert's K reordered: new k = old perm[e, k]."""
+    out = torch.empty_like(qweight)
+    for e in range(qweight.shape[0]):  # one expert at a time: the unpacked int64 copy stays small
+        q = unpack_along(qweight[e], bits, dim=-1, word_bits=8)
+        out[e] = pack_along(q[:, perm[e].to(q.device)], bits, dim=-1, word_bits=8)
+    return out
+
+
+def permute_n(
+    qweight: torch.Tensor,  # (E, N, K*bits/8) uint8
+    scales: torch.Tensor,  # (E, N, G)
+    qzeros: torch.Tensor | None,  # (E, N*bits/8, G) uint8
+    rows: torch.Tensor,  # (E, N) int: new row n = old row rows[e, n]
+    bits: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Kernel-layout weights with each expert's N rows (output channels) reordered."""
+    idx = rows.long().to(qweight.device)
+    qw = torch.gather(qweight, 1, idx[:, :, None].expand(-1, -1, qweight.shape[-1]))
+    sc = torch.gather(scales, 1, idx[:, :, None].expand(-1, -1, scales.shape[-1]))
+    qz = None
+    if qzeros is not None:
+        qz = torch.empty_like(qzeros)
+        for e in range(qzeros.shape[0]):
+            z = unpack_along(qzeros[e], bits, dim=-2, word_bits=8)
+            qz[e] = pack_along(z[idx[e]], bits, dim=-2, word_bits=8)
+    return qw.contiguous(), sc.contiguous(), qz

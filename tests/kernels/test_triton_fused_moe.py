@@ -797,13 +797,14 @@ bm, bn, warps = (int(v) for v in sys.argv[9:12]) if len(sys.argv) > 11 else (16,
 fold = bool(form)
 ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8", topk_weights_ptr="*fp32",
             sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
-            topk_ids_ptr="*i32", expert_map_ptr="*i32")
+            topk_ids_ptr="*i32", expert_map_ptr="*i32", a_perm_ptr="*i32")
 consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, group_size=gs,
               NUM_GROUPS=K // gs, GROUPS=bk // gs, top_k=8, BITS=bits, HAS_ZP=True, MUL_ROUTED_WEIGHT=True,
               EVEN_K=bool(even_k), USE_TD=bool(td), USE_TD_GATHER=bool(gather), SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
               compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk,
               GROUP_SIZE_M=1, FOLD_SCALES=fold, REDUCE_EACH_STEP=fold or bk > fused_moe.PAIR_ACC_MAX_K,
-              SPLIT_NIBBLES=form == 1, WORD_NIBBLES=form == 2)
+              SPLIT_NIBBLES=form == 1, WORD_NIBBLES=form == 2,
+              HAS_A_PERM=os.environ.get("AOT_A_PERM") == "1")  # act order: A's columns through a_perm
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 divisible = ("stride_am", "stride_be", "stride_bn", "stride_cm", "stride_cs", "stride_se", "stride_ze", "stride_zn")
 sig, attrs = {}, {}
@@ -835,14 +836,15 @@ print(*tags)
 """
 
 
-def _compile_for_gpu(*args) -> set[str]:
-    """Run _AOT_SCRIPT (sm, bits, td, gather, even_k, pair[, block_k]) and return the PTX's tags."""
+def _compile_for_gpu(*args, a_perm: bool = False) -> set[str]:
+    """Run _AOT_SCRIPT (sm, bits, td, gather, even_k, pair[, block_k]) and return the PTX's tags;
+    a_perm: the act-order variant (HAS_A_PERM)."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(fused_moe.__file__).parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root)}
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root), "AOT_A_PERM": "1" if a_perm else "0"}
     res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, *map(str, args)], capture_output=True, text=True,
                          env=env, timeout=300)  # fmt: skip
     if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr:

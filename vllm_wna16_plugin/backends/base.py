@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from vllm_wna16_plugin.packing import permute_k, permute_n, sort_groups
 from vllm_wna16_plugin.scheme import WNA16Scheme
 
 
@@ -27,6 +28,8 @@ class MoEProblem:
     platform: str = "cpu"  # "cuda" | "rocm" | "xpu" | "cpu"
     sm: int | None = None  # compute capability as major*10+minor on CUDA
     has_g_idx: bool = False  # act order with a non-trivial g_idx
+    # act order whose K cannot be sorted into contiguous equal groups (act_order_issue; set at load): why
+    act_order_issue: str | None = None
     use_ep: bool = False
     apply_router_weight_on_input: bool = False
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -51,10 +54,81 @@ class KernelTensors:
     w2_qzeros: torch.Tensor | None = None  # (E, H*bits/8, I/gs) uint8
     w13_g_idx: torch.Tensor | None = None  # (E, 2, H) int32, act order only (gate, up)
     w2_g_idx: torch.Tensor | None = None  # (E, I) int32
+    # Sorted act order (sort_act_order): GEMM1 reads x's column a_perm[e, k] as its K row k.
+    a_perm: torch.Tensor | None = None  # (E, H) int32
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w13_qweight, w2_qweight, w13_scales, w2_scales): the positional weights of every fused-layer function."""
         return self.w13_qweight, self.w2_qweight, self.w13_scales, self.w2_scales
+
+
+def _w13_w2_perms(
+    w13_g_idx: torch.Tensor | None, w2_g_idx: torch.Tensor | None, g13: int, g2: int, h: int, i: int, e: int
+) -> tuple[torch.Tensor, torch.Tensor, str | None]:
+    """(perm1 (E, H), perm2 (E, I), issue): the sorted K orders of GEMM1 and GEMM2 (see sort_act_order);
+    a missing g_idx is the trivial one."""
+    dev = (w13_g_idx if w13_g_idx is not None else w2_g_idx).device
+    if w13_g_idx is None:
+        w13_g_idx = (torch.arange(h, device=dev) // (h // g13)).expand(e, 2, h)
+    if w2_g_idx is None:
+        w2_g_idx = (torch.arange(i, device=dev) // (i // g2)).expand(e, i)
+    issue = None
+    differ = (w13_g_idx[:, 0] != w13_g_idx[:, 1]).any(-1)
+    if bool(differ.any()):
+        issue = (
+            f"local expert {int(differ.nonzero()[0])}: gate_proj and up_proj have different g_idx (act orders), "
+            "and GEMM1 reads x in one column order for both"
+        )
+    perm1, issue1 = sort_groups(w13_g_idx[:, 0], g13)
+    perm2, issue2 = sort_groups(w2_g_idx, g2)
+    issue = issue or (issue1 and f"gate/up (K=hidden): {issue1}") or (issue2 and f"down (K=intermediate): {issue2}")
+    return perm1, perm2, issue
+
+
+def act_order_issue(
+    w13_g_idx: torch.Tensor | None, w2_g_idx: torch.Tensor | None, w13_scales: torch.Tensor, w2_scales: torch.Tensor
+) -> str | None:
+    """Why this layer's act order cannot run sorted (sort_act_order), or None when it can."""
+    if w13_g_idx is None and w2_g_idx is None:
+        return None
+    e, two_i, g13 = w13_scales.shape
+    h, g2 = w2_scales.shape[1:]
+    return _w13_w2_perms(w13_g_idx, w2_g_idx, g13, g2, h, two_i // 2, e)[2]
+
+
+def sort_act_order(tensors: KernelTensors, bits: int) -> KernelTensors:
+    """The act-order layout of kernels that take `a_perm`: new tensors, every group one contiguous K run.
+
+    GEMM1 (K = hidden): each expert's K is sorted by its g_idx (perm1, gate's = up's); the kernel reads
+    x's column perm1[e, k] as K row k (a_perm). GEMM2 (K = intermediate): K is sorted by w2's g_idx
+    (perm2), and w13's gate rows and up rows are reordered by perm2 too, so GEMM1 and the activation
+    already produce the intermediate in GEMM2's sorted order: no gather there. Sorted, K row k is in
+    group k // group_size, so the scale and zero-point tables keep their group order. Raises ValueError
+    with act_order_issue's reason when the g_idx cannot be sorted so.
+    """
+    if tensors.w13_g_idx is None and tensors.w2_g_idx is None:
+        return tensors
+    e, two_i, g13 = tensors.w13_scales.shape
+    h, g2 = tensors.w2_scales.shape[1:]
+    i = two_i // 2
+    perm1, perm2, issue = _w13_w2_perms(tensors.w13_g_idx, tensors.w2_g_idx, g13, g2, h, i, e)
+    if issue:
+        raise ValueError(f"act order cannot be sorted into contiguous groups: {issue}")
+    dev = tensors.w13_qweight.device
+    perm1, perm2 = perm1.to(dev), perm2.to(dev)
+    w13_q = permute_k(tensors.w13_qweight, perm1, bits)
+    w13_q, w13_s, w13_z = permute_n(
+        w13_q, tensors.w13_scales, tensors.w13_qzeros, torch.cat([perm2, perm2 + i], 1), bits
+    )
+    return KernelTensors(
+        w13_qweight=w13_q,
+        w2_qweight=permute_k(tensors.w2_qweight, perm2, bits),
+        w13_scales=w13_s,
+        w2_scales=tensors.w2_scales,
+        w13_qzeros=w13_z,
+        w2_qzeros=tensors.w2_qzeros,
+        a_perm=perm1.to(torch.int32).contiguous(),
+    )
 
 
 def layer_kwargs(problem: MoEProblem, state: KernelTensors, expert_map: torch.Tensor | None) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_kwargs
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_kwargs, sort_act_order
 
 TRITON_ACTIVATIONS = ("silu", "gelu")
 
@@ -20,11 +20,14 @@ class TritonBackend(Backend):
     def incompatibility_reason(self, problem: MoEProblem) -> str | None:
         on_gpu = problem.platform in ("cuda", "xpu", "rocm")
         if not on_gpu and not (_interpreter_on() and problem.extra.get("explicit")):
-            return f"needs a CUDA/ROCm/XPU GPU (platform is {problem.platform}; on CPU only when asked for explicitly under TRITON_INTERPRET=1)"
+            return (
+                f"needs a CUDA/ROCm/XPU GPU (platform is {problem.platform}); on CPU it runs in Triton's interpreter "
+                "(slow) when asked for by name with TRITON_INTERPRET=1 set in the environment"
+            )
         if problem.platform == "cuda" and problem.sm is not None and problem.sm < 70:
             return f"needs sm70+, device is sm{problem.sm}"
-        if problem.has_g_idx:
-            return "act order (desc_act with a non-trivial g_idx) is not supported by the kernel layout"
+        if problem.has_g_idx and problem.act_order_issue:
+            return f"act order (desc_act with a non-trivial g_idx) cannot be sorted: {problem.act_order_issue}"
         if problem.activation not in TRITON_ACTIVATIONS:
             return f"activation {problem.activation!r} is not one of {list(TRITON_ACTIVATIONS)}"
         if problem.extra.get("plan_only"):  # doctor: judge the device described, not this machine
@@ -37,6 +40,12 @@ class TritonBackend(Backend):
             return f"the Triton kernel cannot be imported ({type(exc).__name__}: {exc})"
         return None
 
+    def prepare(self, problem: MoEProblem, tensors: KernelTensors) -> KernelTensors:
+        """Act order: the sorted layout (base.sort_act_order: new tensors and a_perm); else as given."""
+        if tensors.a_perm is None and (tensors.w13_g_idx is not None or tensors.w2_g_idx is not None):
+            return sort_act_order(tensors, problem.scheme.bits)
+        return tensors
+
     def run(self, problem: MoEProblem, state: KernelTensors, x, topk_weights, topk_ids, *, expert_map=None):
         from vllm_wna16_plugin import _vllm
         from vllm_wna16_plugin.kernels.triton.fused_moe import fused_moe_wna16_triton
@@ -45,4 +54,5 @@ class TritonBackend(Backend):
         return fused_moe_wna16_triton(
             x, *state.weights(), topk_weights, topk_ids, **layer_kwargs(problem, state, expert_map),
             global_num_experts=problem.global_num_experts, use_td=problem.extra.get("use_td"), align_fn=align_fn,
+            a_perm=state.a_perm,
         )  # fmt: skip

@@ -136,9 +136,28 @@ AlignFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @triton.jit
-def _load_a_tile_ptr(a_ptr, a_rows, row_mask, offs_k, k0, K: tl.constexpr, stride_am, stride_ak, EVEN_K: tl.constexpr):
-    """(BLOCK_M, BLOCK_K) rows of A by pointer; masked rows and the K tail read 0."""
-    ptrs = a_ptr + a_rows[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak
+def _a_columns(a_perm_ptr, expert, offs_k, k0, K: tl.constexpr, EVEN_K: tl.constexpr, HAS_A_PERM: tl.constexpr):
+    """The columns of A that K rows k0 + offs_k read: themselves, or under act order a_perm[expert, k]
+    (a_perm is (E, K) int32, contiguous; the K tail reads column 0, masked by the caller)."""
+    if HAS_A_PERM:
+        perm_ptrs = a_perm_ptr + expert * K + k0 + offs_k
+        if EVEN_K:
+            return tl.load(perm_ptrs).to(tl.int64)
+        else:
+            return tl.load(perm_ptrs, mask=k0 + offs_k < K, other=0).to(tl.int64)
+    else:
+        return k0 + offs_k
+
+
+@triton.jit
+def _load_a_tile_ptr(
+    a_ptr, a_rows, row_mask, offs_k, k0, K: tl.constexpr, stride_am, stride_ak, EVEN_K: tl.constexpr,
+    a_perm_ptr, expert, HAS_A_PERM: tl.constexpr,
+):  # fmt: skip
+    """(BLOCK_M, BLOCK_K) rows of A by pointer; masked rows and the K tail read 0. Under act order
+    (HAS_A_PERM) K row k reads column a_perm[expert, k] (_a_columns)."""
+    cols = _a_columns(a_perm_ptr, expert, offs_k, k0, K, EVEN_K, HAS_A_PERM)
+    ptrs = a_ptr + a_rows[:, None] * stride_am + cols[None, :] * stride_ak
     mask = row_mask[:, None]
     if not EVEN_K:
         mask = mask & ((k0 + offs_k)[None, :] < K)
@@ -286,6 +305,7 @@ def _fused_moe_wna16_kernel(
     c_ptr,  # (num_valid_tokens, N) compute dtype, or (SPLIT_K, num_valid_tokens, N) float32
     s_ptr,  # (E, N, NUM_GROUPS) compute dtype
     z_ptr,  # (E, N*BITS//8, NUM_GROUPS) uint8, unused unless HAS_ZP
+    a_perm_ptr,  # (E, K) int32 act-order column order of A, read when HAS_A_PERM
     topk_weights_ptr,  # (num_valid_tokens,) float
     sorted_token_ids_ptr,  # (EM,) int32, sentinel num_valid_tokens
     expert_ids_ptr,  # (EM // BLOCK_SIZE_M,) int32, -1 = not on this rank
@@ -328,6 +348,7 @@ def _fused_moe_wna16_kernel(
     GROUP_SIZE_M: tl.constexpr,
     SPLIT_NIBBLES: tl.constexpr,  # int4: two half-K dots instead of interleaving the nibbles (DOT_NIBBLES)
     WORD_NIBBLES: tl.constexpr,  # int4: B as 32-bit words, eight dots of K/8 (DOT_NIBBLES "words"; pointer path)
+    HAS_A_PERM: tl.constexpr,  # act order: K row k of A is column a_perm[e, k] (never with USE_TD_GATHER)
 ):
     """C[p, :] = (w_p if MUL_ROUTED_WEIGHT) * A[p // top_k] @ dequant(B[e_p]).T for routed pairs p.
 
@@ -392,7 +413,8 @@ def _fused_moe_wna16_kernel(
         if USE_TD_GATHER:
             a = a_desc.gather(a_rows32, k0)
         else:
-            a = _load_a_tile_ptr(a_ptr, a_rows, pair_mask, offs_k, k0, K, stride_am, stride_ak, EVEN_K)
+            a = _load_a_tile_ptr(a_ptr, a_rows, pair_mask, offs_k, k0, K, stride_am, stride_ak, EVEN_K,
+                                 a_perm_ptr, expert, HAS_A_PERM)  # fmt: skip
         if WORD_NIBBLES:
             words = _load_b_tile(
                 b_words, b_desc, expert, offs_n, offs_kw, pid_n * BLOCK_SIZE_N, k0, KB // 4,
@@ -452,6 +474,7 @@ def _fused_moe_wna16_pair_kernel(
     c_ptr,  # (num_pairs, N) compute dtype, or (SPLIT_K, num_pairs, N) float32
     s_ptr,  # (E, N, NUM_GROUPS) compute dtype
     z_ptr,  # (E, N*BITS//8, NUM_GROUPS) uint8, unused unless HAS_ZP
+    a_perm_ptr,  # (E, K) int32 act-order column order of A, read when HAS_A_PERM
     topk_weights_ptr,  # (num_pairs,) float
     topk_ids_ptr,  # (num_pairs,) int, global expert ids
     expert_map_ptr,  # (E_global,) int: local id or -1, read when HAS_EXPERT_MAP
@@ -491,6 +514,7 @@ def _fused_moe_wna16_pair_kernel(
     # weight row per step) would not fit that accumulator in registers: they, and the folded form, reduce
     # every step.
     REDUCE_EACH_STEP: tl.constexpr,
+    HAS_A_PERM: tl.constexpr,  # act order: K row k of A is column a_perm[e, k]
 ):
     """The decode form (BLOCK_SIZE_M == 1): C[p] as in _fused_moe_wna16_kernel, one routed pair p per program.
 
@@ -537,7 +561,13 @@ def _fused_moe_wna16_pair_kernel(
         acc = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_K), dtype=tl.float32)
     for k in tl.range(0, TILES_PER_SPLIT, num_stages=NUM_STAGES):  # B by cp.async, NUM_STAGES deep
         k0 = (split * TILES_PER_SPLIT + k) * BLOCK_SIZE_K
-        if EVEN_K:
+        if HAS_A_PERM:
+            cols = _a_columns(a_perm_ptr, expert, offs_k, k0, K, EVEN_K, HAS_A_PERM)
+            if EVEN_K:
+                a = tl.load(a_row_ptr + cols)
+            else:
+                a = tl.load(a_row_ptr + cols, mask=k0 + offs_k < K, other=0.0)
+        elif EVEN_K:
             a = tl.load(a_row_ptr + k0 + offs_k)
         else:
             a = tl.load(a_row_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
@@ -674,13 +704,14 @@ def invoke_wna16_gemm(
     td: TDDecision,
     topk_ids: torch.Tensor | None = None,  # (num_pairs,) int global ids: the routing when BLOCK_SIZE_M == 1
     expert_map: torch.Tensor | None = None,  # (E_global,) int, applied to topk_ids when BLOCK_SIZE_M == 1
+    a_perm: torch.Tensor | None = None,  # (E, K) int32 contiguous: act order, K row k of A is a[:, a_perm[e, k]]
 ) -> torch.Tensor:
     """One grouped GEMM: c[p] = (w_p) * a[p // top_k] @ dequant(qweight[e_p]).T over the routed pairs.
 
     Every row of c named by sorted_token_ids (or every pair, per-pair form) is written
     (zeros for expert -1); with SPLIT_K > 1, c[s] holds K slice s in float32. `td` is
     taken as given (callers get it from td_gate.decide_td; the per-pair form never
-    gathers A); `config` must pass check_shape for this K.
+    gathers A, nor does an A read through a_perm); `config` must pass check_shape for this K.
     """
     E, N, _ = qweight.shape
     K = a.shape[1]
@@ -694,6 +725,13 @@ def invoke_wna16_gemm(
     if split > 1 and (c.dim() != 3 or c.shape[0] != split or c.dtype != torch.float32):
         raise ValueError(f"SPLIT_K={split} needs c of shape (SPLIT_K, num_pairs, N) float32, got {tuple(c.shape)}")
     c3 = c if c.dim() == 3 else c.unsqueeze(0)
+    if a_perm is not None:
+        if tuple(a_perm.shape) != (E, K) or a_perm.dtype != torch.int32 or not a_perm.is_contiguous():
+            raise ValueError(
+                f"a_perm must be a contiguous (E={E}, K={K}) int32 tensor, got {tuple(a_perm.shape)} {a_perm.dtype}"
+            )
+        if td.use_gather:
+            raise ValueError("a_perm (act order) reads A by pointer: td.use_gather must be False")
     has_zp = qzeros is not None
     zp = qzeros if has_zp else qweight  # any uint8 tensor: never read when HAS_ZP is False
     common = dict(
@@ -702,6 +740,8 @@ def invoke_wna16_gemm(
         c_ptr=c3,
         s_ptr=scales,
         z_ptr=zp,
+        a_perm_ptr=a_perm if a_perm is not None else scales,  # never read when HAS_A_PERM is False
+        HAS_A_PERM=a_perm is not None,
         topk_weights_ptr=topk_weights if topk_weights is not None else scales,
         E=E,
         stride_am=a.stride(0),
@@ -806,6 +846,7 @@ def fused_moe_wna16_triton(
     configs: TritonMoEConfig | tuple[TritonMoEConfig, TritonMoEConfig] | None = None,
     align_fn: AlignFn | None = None,
     out: torch.Tensor | None = None,  # (M, H) x.dtype
+    a_perm: torch.Tensor | None = None,  # (E, H) int32: act order (backends.base.sort_act_order)
 ) -> torch.Tensor:
     """out[t] = sum_j w[t,j] * W2[e] @ act(W13[e] @ x[t]), e = topk_ids[t,j]; (M, H) in x.dtype.
 
@@ -820,6 +861,9 @@ def fused_moe_wna16_triton(
     BLOCK_SIZE_M > 1 (none when both GEMMs run per pair), GEMM1, the gated activation
     (which also sums GEMM1's split-K partials), GEMM2, and the top-k sum (which sums
     GEMM2's partials; skipped when top_k == 1 and GEMM2 is unsplit: GEMM2 writes `out`).
+
+    a_perm: act order in the sorted layout (backends.base.sort_act_order): GEMM1 reads x's column
+    a_perm[e, k] as K row k of expert e; the weights are already sorted (GEMM2's K order included).
     """
     shape = check_layer_tensors(
         x, w13_qweight, w2_qweight, w13_scales, w2_scales, topk_weights, topk_ids, bits=bits,
@@ -840,6 +884,13 @@ def fused_moe_wna16_triton(
         out = torch.empty((M, H), dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != (M, H) or out.dtype != x.dtype:
         raise ValueError(f"out must be (M={M}, H={H}) {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if a_perm is not None:
+        if tuple(a_perm.shape) != (E, H) or a_perm.dtype != torch.int32 or a_perm.device != x.device:
+            raise ValueError(
+                f"a_perm must be (E={E}, H={H}) int32 on {x.device}, got {tuple(a_perm.shape)} {a_perm.dtype} "
+                f"on {a_perm.device}"
+            )
+        a_perm = a_perm.contiguous()
     if M == 0:
         return out
     if global_num_experts == -1:
@@ -862,7 +913,7 @@ def fused_moe_wna16_triton(
     ids_flat = topk_ids.view(-1)
     num_pairs = M * top_k
 
-    def gemm(a, qweight, scales, qzeros, c, cfg, a_rows_div, mul_weight, aligned_by):
+    def gemm(a, qweight, scales, qzeros, c, cfg, a_rows_div, mul_weight, aligned_by, perm=None):
         td = decide_td(
             requested=requested,
             platform=platform,
@@ -874,6 +925,7 @@ def fused_moe_wna16_triton(
             bits=bits,
             config_use_td=cfg.use_td,
             aligned=_aligned(a, qweight),
+            a_permuted=perm is not None,
         )
         invoke_wna16_gemm(
             a,
@@ -890,6 +942,7 @@ def fused_moe_wna16_triton(
             td=td,
             topk_ids=ids_flat,
             expert_map=expert_map,
+            a_perm=perm,
         )
         return c
 
@@ -902,7 +955,7 @@ def fused_moe_wna16_triton(
         return torch.empty(split_k_buffer_shape(num_pairs, N, cfg), dtype=dtype, device=x.device)
 
     h = gemm(x, w13_qweight, w13_scales, w13_qzeros, gemm_out(two_i, cfg1), cfg1, top_k,
-             apply_router_weight_on_input, alignments)  # fmt: skip
+             apply_router_weight_on_input, alignments, a_perm)  # fmt: skip
     act = gated_activation_triton(h, activation, dtype=x.dtype)
     if top_k == 1 and cfg2.SPLIT_K == 1 and out.stride(1) == 1:
         # one pair per token: GEMM2's rows are the output rows

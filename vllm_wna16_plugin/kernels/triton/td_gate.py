@@ -16,6 +16,7 @@ the order `decide_td` applies them (each is pinned by tests/kernels/test_td_gate
   16-byte alignment    descriptor base pointers and row strides must be 16-byte
               aligned: K*bits/8 bytes for B (which implies K*2 bytes for a bf16/fp16 A).
   BLOCK_SIZE_M >= 8    descriptor gather needs >= 8 rows; below it B may still use TD.
+  act order   A's columns are read in a per-expert order (a_perm): no A-gather (B may still use TD).
 
 A forced request (True) that a rule refuses logs the reason once and falls back;
 it never raises. `td_request_from_env` reads VLLM_TRITON_USE_TD.
@@ -103,13 +104,15 @@ def decide_td(
     bits: int = 4,
     config_use_td: bool | None = None,
     aligned: bool = True,
+    a_permuted: bool = False,
 ) -> TDDecision:
     """Whether this launch uses TD for B and a gather for A; never raises for a forced request.
 
     requested: None = auto, True = force where it can compile, False = off.
     config_use_td: a tuned config's opinion (None = no opinion); it turns TD on in
     auto mode on CUDA. M: rows of the GEMM's A. K: the GEMM's reduction size.
-    aligned: whether the A and B base pointers are 16-byte aligned.
+    aligned: whether the A and B base pointers are 16-byte aligned. a_permuted: A is read through an
+    act-order column table (the gather reads whole rows in order, so it is off).
     """
     if requested is False:
         return TDDecision(False, False, "TD disabled")
@@ -135,6 +138,11 @@ def decide_td(
     reason = f"TD B-load on {why}"
     if not can_gather:
         reason += "; A stays on pointers"
+    elif a_permuted:
+        use_gather = False
+        reason += "; no A-gather: act order reads A's columns through a_perm"
+        if requested:
+            _log_once("TD A-gather requested but not used: act order reads A's columns through a_perm")
     elif block_size_m < MIN_GATHER_ROWS:
         use_gather = False
         reason += f"; no A-gather: BLOCK_SIZE_M={block_size_m} < {MIN_GATHER_ROWS} rows"

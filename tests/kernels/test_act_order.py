@@ -1,0 +1,297 @@
+"""Act order (GPTQ desc_act, compressed-tensors actorder "group") on the `triton` backend.
+
+The backend sorts each expert's K by its g_idx at prepare (backends.base.sort_act_order) and the
+kernel reads GEMM1's A through the column table a_perm; GEMM2 needs no gather (w13's rows are in
+w2's sorted K order). Every case is checked against the float reference on the ORIGINAL checkpoint
+layout with its g_idx (reference.fused_moe_wna16_ref -> dequantize_ref), an independent path.
+Runs under the Triton interpreter (TRITON_INTERPRET=1, set by conftest).
+"""
+
+import dataclasses
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from vllm_wna16_plugin import _vllm, packing  # noqa: E402
+from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, registry  # noqa: E402
+from vllm_wna16_plugin.backends.base import act_order_issue, sort_act_order  # noqa: E402
+from vllm_wna16_plugin.kernels.triton import fused_moe  # noqa: E402
+from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig as Cfg  # noqa: E402
+from vllm_wna16_plugin.kernels.triton.fused_moe import fused_moe_wna16_triton  # noqa: E402
+from vllm_wna16_plugin.oracle import select_backend  # noqa: E402
+from vllm_wna16_plugin.reference import fused_moe_ref, fused_moe_wna16_ref  # noqa: E402
+from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme  # noqa: E402
+
+from .conftest import assert_close_scaled, quantized_experts  # noqa: E402
+
+pytestmark = pytest.mark.interpreter
+
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+def act_order_g_idx(E, K, gs, gen):
+    """(E, K) int32: each expert's K rows dealt into groups of gs in a random order (as GPTQ writes it)."""
+    return torch.stack([torch.randperm(K, generator=gen) // gs for _ in range(E)]).to(torch.int32)
+
+
+def make_case(*, M, H, inter, E, top_k, bits, gs, zp, dtype=BF16, seed, global_experts=None, same_gate_up=True):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = quantized_experts(E, 2 * inter, H, bits, gs, zp, dtype, gen)
+    w2 = quantized_experts(E, H, inter, bits, gs, zp, dtype, gen)
+    g_gate = act_order_g_idx(E, H, gs, gen)
+    g_up = g_gate.clone() if same_gate_up else act_order_g_idx(E, H, gs, gen)
+    g2 = act_order_g_idx(E, inter, gs, gen)
+    tensors = KernelTensors(
+        w13.qweight, w2.qweight, w13.scales, w2.scales, w13.qzeros, w2.qzeros, torch.stack([g_gate, g_up], 1), g2
+    )
+    x = torch.randn(M, H, generator=gen).to(dtype)
+    n_global = global_experts or E
+    logits = torch.randn(M, n_global, generator=gen)
+    expert_map = None
+    if global_experts:  # EP: this rank holds E of the global experts, in a shuffled placement
+        expert_map = torch.full((n_global,), -1, dtype=torch.int32)
+        local = torch.randperm(n_global, generator=gen)[:E]
+        expert_map[local] = torch.arange(E, dtype=torch.int32)
+        logits[0, local[0]] += 10.0  # token 0 picks a local expert: the output is never all zeros
+    topk_weights, topk_ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    return tensors, x, topk_weights, topk_ids.to(torch.int32), expert_map
+
+
+def reference(tensors, x, topk_weights, topk_ids, expert_map, bits):
+    """The float reference on the checkpoint's own (unsorted) layout and g_idx."""
+    return fused_moe_wna16_ref(
+        x, *tensors.weights(), topk_weights, topk_ids, bits=bits, w13_qzeros=tensors.w13_qzeros,
+        w2_qzeros=tensors.w2_qzeros, expert_map=expert_map, w13_g_idx=tensors.w13_g_idx, w2_g_idx=tensors.w2_g_idx,
+    )  # fmt: skip
+
+
+def run_sorted(tensors, x, topk_weights, topk_ids, expert_map, bits, **kwargs):
+    s = sort_act_order(tensors, bits)
+    assert s.a_perm is not None and s.a_perm.dtype == torch.int32
+    return fused_moe_wna16_triton(
+        x, *s.weights(), topk_weights, topk_ids, bits=bits, w13_qzeros=s.w13_qzeros, w2_qzeros=s.w2_qzeros,
+        expert_map=expert_map, a_perm=s.a_perm, **kwargs,
+    )  # fmt: skip
+
+
+# (M, H, inter, E, top_k, bits, gs, zp, dtype, config, global_experts)
+CASES = [
+    # decode (pair kernel, folded int4 step), K tails: H=320 and I=96 under BLOCK_SIZE_K=128
+    pytest.param(1, 320, 96, 4, 2, 4, 32, True, BF16, Cfg(1, 32, 128), None, id="M1-int4-asym-gs32-H320-tails"),
+    pytest.param(1, 320, 64, 4, 1, 8, 64, False, FP16, Cfg(1, 32, 128), None, id="M1-int8-sym-gs64-top1-fp16"),
+    pytest.param(1, 384, 128, 4, 2, 4, 128, False, BF16, Cfg(1, 32, 256), 8, id="M1-int4-sym-gs128-ep"),
+    # tl.dot kernel: words form (BLOCK_K 128), a 64-wide K tail on GEMM1 (320) and a 32-wide one on GEMM2 (96)
+    pytest.param(5, 320, 96, 4, 2, 4, 32, False, BF16, Cfg(16, 32, 128), None, id="M5-int4-sym-gs32-H320"),
+    pytest.param(33, 704, 64, 4, 2, 4, 64, True, BF16, Cfg(16, 32, 128), None, id="M33-int4-asym-gs64-H704"),
+    pytest.param(5, 384, 128, 4, 1, 4, 128, True, BF16, Cfg(16, 32, 256), None, id="M5-int4-asym-gs128-top1"),
+    pytest.param(33, 384, 128, 4, 2, 8, 128, False, FP16, Cfg(16, 32, 128), None, id="M33-int8-sym-gs128-fp16"),
+    pytest.param(5, 320, 96, 4, 2, 8, 32, True, BF16, Cfg(16, 32, 64), 8, id="M5-int8-asym-gs32-ep"),
+    # split K: GEMM1's slices read their own a_perm columns
+    pytest.param(5, 256, 64, 4, 2, 4, 64, True, BF16, Cfg(16, 32, 64, SPLIT_K=2), None, id="M5-int4-splitk2"),
+    pytest.param(1, 256, 64, 4, 2, 4, 64, False, BF16, Cfg(1, 32, 64, SPLIT_K=2), 8, id="M1-int4-splitk2-ep"),
+]
+
+
+@pytest.mark.parametrize("M,H,inter,E,top_k,bits,gs,zp,dtype,config,global_experts", CASES)
+def test_sorted_act_order_matches_reference_on_original_g_idx(
+    M, H, inter, E, top_k, bits, gs, zp, dtype, config, global_experts
+):
+    seed = 100 + M * 7 + H + bits * 3 + gs + top_k
+    t, x, w, ids, emap = make_case(
+        M=M, H=H, inter=inter, E=E, top_k=top_k, bits=bits, gs=gs, zp=zp, dtype=dtype, seed=seed,
+        global_experts=global_experts,
+    )  # fmt: skip
+    ref = reference(t, x, w, ids, emap, bits)
+    out = run_sorted(t, x, w, ids, emap, bits, configs=config, use_td=False)
+    assert_close_scaled(out, ref, dtype, "act order, sorted layout")
+    # the premise: the g_idx is far from trivial, so ignoring it gives a wrong answer
+    plain = fused_moe_wna16_ref(
+        x, *t.weights(), w, ids, bits=bits, w13_qzeros=t.w13_qzeros, w2_qzeros=t.w2_qzeros, expert_map=emap
+    )
+    assert (plain.float() - ref.float()).abs().max() > 0.1 * ref.float().abs().max()
+
+
+@pytest.mark.parametrize("form", ["split", "interleave"])
+def test_other_int4_dot_forms_read_the_permuted_a(form, monkeypatch):
+    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", form)
+    t, x, w, ids, emap = make_case(M=5, H=320, inter=96, E=4, top_k=2, bits=4, gs=32, zp=True, seed=11)
+    out = run_sorted(t, x, w, ids, emap, 4, configs=Cfg(16, 32, 64), use_td=False)
+    assert_close_scaled(out, reference(t, x, w, ids, emap, 4), BF16, form)
+
+
+def test_td_keeps_b_descriptor_but_never_gathers_permuted_a(td_decisions):
+    t, x, w, ids, emap = make_case(M=9, H=256, inter=64, E=4, top_k=2, bits=4, gs=32, zp=True, seed=12)
+    out = run_sorted(t, x, w, ids, emap, 4, configs=Cfg(16, 32, 64), use_td=True)
+    gemm1, gemm2 = td_decisions
+    assert gemm1.use_td_b and not gemm1.use_gather and "act order" in gemm1.reason
+    assert gemm2.use_td_b and gemm2.use_gather  # GEMM2 reads the activation in order: no a_perm
+    assert_close_scaled(out, reference(t, x, w, ids, emap, 4), BF16, "TD B-load with a_perm")
+
+
+def test_sorted_layout_keeps_group_order_and_a_perm_sorts_g_idx():
+    t, *_ = make_case(M=1, H=128, inter=64, E=3, top_k=1, bits=4, gs=32, zp=True, seed=13)
+    s = sort_act_order(t, 4)
+    gs = 32
+    for e in range(3):
+        # a_perm[e] sorts the gate (= up) g_idx into k // gs: every group one contiguous run
+        assert torch.equal(t.w13_g_idx[e, 0][s.a_perm[e].long()], torch.arange(128, dtype=torch.int32) // gs)
+    assert s.w2_scales is t.w2_scales and s.w2_qzeros is t.w2_qzeros  # GEMM2's tables untouched
+    assert s.w13_g_idx is None and s.w2_g_idx is None
+
+
+def _problem(**kw):
+    scheme = WNA16Scheme(4, 32, True, PackFormat.GPTQ, desc_act=True, source="test")
+    base = dict(
+        scheme=scheme, hidden=128, intermediate=64, num_experts=4, global_num_experts=4, top_k=2,
+        group_size_w13=32, group_size_w2=32, platform="cpu", has_g_idx=True,
+    )  # fmt: skip
+    return MoEProblem(**{**base, **kw})
+
+
+def test_triton_backend_accepts_sortable_act_order_and_runs_it():
+    t, x, w, ids, emap = make_case(M=3, H=128, inter=64, E=4, top_k=2, bits=4, gs=32, zp=True, seed=14)
+    problem = _problem(act_order_issue=act_order_issue(t.w13_g_idx, t.w2_g_idx, t.w13_scales, t.w2_scales))
+    assert problem.act_order_issue is None
+    selection = select_backend(problem, "triton", "test")
+    assert selection.backend.name == "triton"
+    state = selection.backend.prepare(problem, t)
+    assert state.a_perm is not None
+    out = selection.backend.run(problem, state, x, w, ids)
+    assert_close_scaled(out, reference(t, x, w, ids, None, 4), BF16, "triton backend, act order")
+    # on an H200 the triton backend takes it; the cuda backend still refuses act order (not built yet)
+    h200 = dataclasses.replace(problem, platform="cuda", sm=90, extra={"plan_only": True})
+    assert registry()["triton"].incompatibility_reason(h200) is None
+    assert "act order" in registry()["cuda"].incompatibility_reason(h200)
+
+
+def test_gate_and_up_with_different_act_orders_are_refused_on_triton_auto_falls_back():
+    t, *_ = make_case(M=1, H=128, inter=64, E=4, top_k=1, bits=4, gs=32, zp=False, seed=15, same_gate_up=False)
+    issue = act_order_issue(t.w13_g_idx, t.w2_g_idx, t.w13_scales, t.w2_scales)
+    assert issue and "gate_proj and up_proj have different g_idx" in issue
+    problem = _problem(act_order_issue=issue)
+    reason = registry()["triton"].incompatibility_reason(dataclasses.replace(problem, platform="cuda", sm=90))
+    assert reason and "cannot be sorted" in reason and "gate_proj and up_proj" in reason
+    with pytest.raises(ValueError, match="gate_proj and up_proj have different g_idx"):
+        select_backend(problem, "triton", "test")
+    assert select_backend(problem, "auto", "auto").backend.name == "reference"
+    with pytest.raises(ValueError, match="gate_proj and up_proj"):
+        sort_act_order(t, 4)
+
+
+def test_unequal_groups_are_refused_with_the_group_named():
+    t, *_ = make_case(M=1, H=128, inter=64, E=2, top_k=1, bits=4, gs=32, zp=False, seed=16)
+    g2 = t.w2_g_idx.clone()
+    g2[1, (g2[1] == 1).nonzero()[0]] = 0  # expert 1: group 0 gets 33 rows, group 1 31
+    issue = act_order_issue(t.w13_g_idx, g2, t.w13_scales, t.w2_scales)
+    assert issue.startswith("down (K=intermediate): local expert 1: group 0 has 33 of K=64 rows, not group_size=32")
+
+
+def test_launcher_checks_a_perm():
+    t, x, w, ids, _ = make_case(M=1, H=128, inter=64, E=2, top_k=1, bits=4, gs=32, zp=False, seed=17)
+    s = sort_act_order(t, 4)
+    with pytest.raises(ValueError, match=r"a_perm must be \(E=2, H=128\) int32"):
+        fused_moe_wna16_triton(x, *s.weights(), w, ids, bits=4, a_perm=s.a_perm.long())
+
+
+# ---------------------------------------------------------------- through the plugin's loader
+
+
+E, H, I, TOP_K, GS = 4, 128, 64, 2, 32
+
+RAW_GPTQ_ACT = {"quant_method": "gptq", "bits": 4, "group_size": GS, "sym": False, "desc_act": True,
+                "checkpoint_format": "gptq_v2"}  # fmt: skip
+
+
+def _act_order_experts(n, k, gen, g_idx):
+    """GPTQ-style act order for E experts: quantized in g_idx's order, stored in the original K order.
+
+    Returns (float weights the checkpoint means (E, n, k), per-expert GPTQ tensors)."""
+    w = torch.randn(E, n, k, generator=gen) * 0.05
+    dense, tensors = [], []
+    for e in range(E):
+        order = torch.sort(g_idx[e].long(), stable=True).indices  # column j of the sorted view is row order[j]
+        qw = packing.quantize_rtn(w[e][:, order], 4, GS, has_zero_point=True)
+        qw.scales = qw.scales.half().float()
+        inv = torch.argsort(order)
+        q = qw.q[:, inv]  # back to the checkpoint's K order
+        w_sorted = packing.dequantize(qw)
+        dense.append(w_sorted[:, inv])
+        tensors.append(packing.QuantizedWeight(q, qw.scales, qw.zeros, 4, GS))
+    return torch.stack(dense), tensors
+
+
+def _gptq_checkpoint(gen, tp_note=""):
+    g_h = act_order_g_idx(E, H, GS, gen)  # gate and up share the input's act order (GPTQ sorts by x's Hessian)
+    g_i = act_order_g_idx(E, I, GS, gen)
+    w_gate, q_gate = _act_order_experts(I, H, gen, g_h)
+    w_up, q_up = _act_order_experts(I, H, gen, g_h)
+    w_down, q_down = _act_order_experts(H, I, gen, g_i)
+    weights = []
+    for e in range(E):
+        for proj, qw, g in (("gate_proj", q_gate[e], g_h[e]), ("up_proj", q_up[e], g_h[e]),
+                            ("down_proj", q_down[e], g_i[e])):  # fmt: skip
+            # GPTQ stores one scale row per group id, so the group tables are as quantized (sorted order)
+            for key, t in packing.pack_gptq(qw, zero_point_offset=0).items():
+                weights.append((f"{e}.{proj}.{key}", t.half() if key == "scales" else t))
+            weights.append((f"{e}.{proj}.g_idx", g.clone()))
+    return torch.cat([w_gate, w_up], 1), w_down, weights
+
+
+def test_gptq_desc_act_layer_loads_sorted_and_runs_on_triton(vllm_cpu, monkeypatch):
+    from tests.conftest import build_moe_layer
+
+    monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(18)
+    w13, w2, weights = _gptq_checkpoint(gen)
+    layer = build_moe_layer(vllm_cpu, RAW_GPTQ_ACT, E=E, H=H, I=I, top_k=TOP_K)
+    list(layer.load_weights(weights))
+    method = layer.quant_method
+    method.process_weights_after_loading(layer)
+    assert method.problem.has_g_idx and method.problem.act_order_issue is None
+    assert method.selection.backend.name == "triton"
+    assert method.state.a_perm is not None
+    # the layer's parameters now hold the sorted tensors (one copy in memory)
+    for gemm, kind in (("w13", "qweight"), ("w13", "scales"), ("w13", "qzeros"), ("w2", "qweight")):
+        param = getattr(layer, method.param_names[(gemm, kind)])
+        assert param.data_ptr() == getattr(method.state, f"{gemm}_{kind}").data_ptr()
+    x = torch.randn(6, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(6)])
+    w = torch.rand(6, TOP_K, generator=gen)
+    out = method.apply(layer, x, w, ids, None, None)
+    ref = fused_moe_ref(x, w13, w2, w, ids)
+    assert_close_scaled(out, ref, BF16, "GPTQ desc_act through the loader on triton")
+
+
+def test_gptq_desc_act_under_tp2_is_refused_on_triton_and_named(vllm_cpu, monkeypatch):
+    # Under TP the down projection's K is split: a rank holds an uneven share of each act-order group.
+    from tests.conftest import build_moe_layer
+
+    gen = torch.Generator().manual_seed(19)
+    _, _, weights = _gptq_checkpoint(gen)
+    monkeypatch.setattr(_vllm, "layer_tp", lambda layer: (0, 2))
+    monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", "triton")
+    layer = build_moe_layer(vllm_cpu, RAW_GPTQ_ACT, E=E, H=H, I=I, top_k=TOP_K, tp_size=2)
+    list(layer.load_weights(weights))
+    with pytest.raises(ValueError, match=r"backend 'triton'.*down \(K=intermediate\): local expert \d+: group \d+"):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
+# ---------------------------------------------------------------- GPU code generation, without a GPU
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", [0, 1], ids=["tl.dot-words", "per-pair-fold"])
+@pytest.mark.parametrize("even_k", [1, 0], ids=["K2048", "K1344-tail"])
+def test_act_order_kernels_compile_for_sm90_with_b_loads_unchanged(pair, even_k):
+    # HAS_A_PERM changes only A's addresses: B still arrives by 16-byte loads (cp.async into the
+    # pipeline for the tl.dot kernel, vector loads per pair), and the default forms stay free of
+    # per-weight int->float converts
+    from .test_triton_fused_moe import _compile_for_gpu
+
+    tags = _compile_for_gpu(90, 4, 0, 0, even_k, pair, 0, a_perm=True)
+    assert ("LDV4" if pair else "CPASYNC16") in tags, tags
+    # (per pair: the folded step's few converts are the zero points, as without act order)
+    assert int(next(t for t in tags if t.startswith("I2F=")).split("=")[1]) <= (8 if pair else 0), tags

@@ -576,3 +576,17 @@ def test_vllm_parses_the_quantization_config(tmp_path, kwargs):
         assert (config.weight_bits, config.zero_point, config.modules_to_not_convert) == (4, True, ["mlp.gate"])
     else:
         assert config.ignore == ["lm_head", "re:.*mlp.gate$"]
+
+
+def test_act_order_gives_gate_and_up_of_an_expert_one_order(tmp_path):
+    """GPTQ sorts K by the input's Hessian, which gate and up share: one g_idx per expert for both (the
+    layout the triton backend sorts once), another for down, and a fresh one per expert."""
+    path = mc.make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, desc_act=True, hidden=128,
+                              intermediate=64, experts=3, top_k=2, layers=1, seed=4)  # fmt: skip
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        g = {k.split("experts.")[1]: f.get_tensor(k) for k in f.keys() if ".experts." in k and k.endswith("g_idx")}
+    trivial = torch.arange(128) // 32
+    for e in range(3):
+        assert torch.equal(g[f"{e}.gate_proj.g_idx"], g[f"{e}.up_proj.g_idx"])
+        assert not torch.equal(g[f"{e}.gate_proj.g_idx"].long(), trivial)
+    assert not torch.equal(g["0.gate_proj.g_idx"], g["1.gate_proj.g_idx"])

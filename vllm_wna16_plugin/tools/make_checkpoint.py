@@ -274,11 +274,11 @@ def write_checkpoint(out_dir: str | Path, spec: CheckpointSpec) -> Path:
     tensors: dict[str, torch.Tensor] = {}
     reference: dict[str, torch.Tensor] = {}
 
-    def add_linear(prefix: str, w: torch.Tensor, quantized: bool) -> torch.Tensor:
+    def add_linear(prefix: str, w: torch.Tensor, quantized: bool, perm: torch.Tensor | None = None) -> torch.Tensor:
         if not quantized:
             tensors[f"{prefix}.weight"] = w.to(FLOAT_DTYPE)
             return w
-        stored, deq = quantize_module(w, spec, gen)
+        stored, deq = quantize_module(w, spec, gen, perm)
         for suffix, t in stored.items():
             tensors[f"{prefix}.{suffix}"] = t
         return deq
@@ -304,8 +304,10 @@ def write_checkpoint(out_dir: str | Path, spec: CheckpointSpec) -> Path:
         gate_name, up_name, down_name = arch.gate_up_down
         for e in range(e_num):
             ep = f"{p}.{arch.moe_block}.experts.{e}"
-            gate = add_linear(f"{ep}.{gate_name}", w13_float[e, :i_size], True)
-            up = add_linear(f"{ep}.{up_name}", w13_float[e, i_size:], True)
+            # act order follows the input's statistics (GPTQ sorts K by its Hessian): gate and up share one
+            order = torch.randperm(h, generator=gen) if spec.desc_act else None
+            gate = add_linear(f"{ep}.{gate_name}", w13_float[e, :i_size], True, order)
+            up = add_linear(f"{ep}.{up_name}", w13_float[e, i_size:], True, order)
             w13.append(torch.cat([gate, up]))
             w2.append(add_linear(f"{ep}.{down_name}", w2_float[e], True))
         reference[f"layers.{li}.w13"] = torch.stack(w13)
@@ -413,6 +415,7 @@ def quantize_module(
     w: torch.Tensor,  # (N, K) float32
     spec: CheckpointSpec,
     gen: torch.Generator,
+    perm: torch.Tensor | None = None,  # (K,) act order to quantize in; default: a random one (desc_act)
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """({tensor suffix: stored tensor}, dequantized float32 (N, K)) of one linear in spec.fmt."""
     scale_dtype = SCALE_DTYPES[spec.fmt]
@@ -422,7 +425,7 @@ def quantize_module(
         if spec.desc_act:
             # Act order: GPTQ quantizes columns in the order perm; column k lands in group
             # position(k) // gs, and qweight stays in the original column order.
-            perm = torch.randperm(k, generator=gen)
+            perm = torch.randperm(k, generator=gen) if perm is None else perm
             inv = torch.argsort(perm)
             qw_perm = _round_scales(quantize_rtn(w[:, perm], spec.bits, gs, not spec.sym), scale_dtype)
             qw = QuantizedWeight(qw_perm.q[:, inv], qw_perm.scales, qw_perm.zeros, spec.bits, gs)

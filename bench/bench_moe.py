@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import datetime
 import math
 import os
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_shapes, result
 from model_shapes import Shape, shapes_from_configs  # noqa: E402
 
 from vllm_wna16_plugin import packing  # noqa: E402
-from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, registry  # noqa: E402
+from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, RunOptions, registry  # noqa: E402
 from vllm_wna16_plugin.ops import make_problem  # noqa: E402
 from vllm_wna16_plugin.oracle import select_backend  # noqa: E402
 from vllm_wna16_plugin.reference import fused_moe_ref  # noqa: E402
@@ -206,14 +207,12 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4
     elif name.startswith("triton"):  # plugin-triton: pointer loads forced; plugin-triton-td: TD forced
         use_td, name = name.endswith("-td"), "triton"
     problem = layer_problem(x, w, topk_ids, gs, bits=bits, gs_w2=gs_w2)
-    if use_td is not None:
-        problem.extra["use_td"] = use_td
-    if cuda_kernel is not None:
-        problem.extra["cuda_kernel"] = cuda_kernel
+    options = RunOptions(use_td=use_td, cuda_kernel=cuda_kernel or "auto", explicit=name != "auto")
+    problem = dataclasses.replace(problem, options=options)  # each provider but auto is asked for by name
     if name == "auto":  # the oracle's pick with the shipped crossover: what a user gets by default
-        backend = select_backend(problem).backend
+        selection = select_backend(problem)
+        backend, problem = selection.backend, selection.problem
     else:
-        problem.extra["explicit"] = True  # each other provider is asked for by name
         backend = registry()[name]
     reason = backend.incompatibility_reason(problem)
     if reason:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_wna16_plugin import crossover
-from vllm_wna16_plugin.backends import registry
+from vllm_wna16_plugin.backends import RunOptions, registry
 from vllm_wna16_plugin.backends.base import KernelTensors
 from vllm_wna16_plugin.backends.cuda import layer_key
 from vllm_wna16_plugin.ops import make_problem
@@ -37,7 +37,7 @@ def test_table_round_trip_and_bad_entries(tmp_path):
         crossover.cuda_max_m(key, "X", bad)
 
 
-def _sm90_problem(**extra):
+def _sm90_problem(**options):
     E, H, I = 8, 256, 128  # noqa: E741
     p = make_problem(
         torch.zeros(1, H, dtype=torch.bfloat16), torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8),
@@ -45,7 +45,9 @@ def _sm90_problem(**extra):
         torch.zeros(E, H, I // 32, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.int32),
         bits=4, group_size=32, has_zero_point=False,
     )  # fmt: skip
-    return dataclasses.replace(p, platform="cuda", sm=90, extra={"plan_only": True, "device_name": "GPU X", **extra})
+    return dataclasses.replace(
+        p, platform="cuda", sm=90, options=RunOptions(plan_only=True, device_name="GPU X", **options)
+    )
 
 
 def test_auto_takes_cuda_only_where_a_crossover_is_measured(tmp_path, monkeypatch):
@@ -57,12 +59,12 @@ def test_auto_takes_cuda_only_where_a_crossover_is_measured(tmp_path, monkeypatc
     crossover.write_crossovers({layer_key(problem): {"cuda_max_m": 4}}, "GPU X", tmp_path)
     problem = _sm90_problem()
     selection = select_backend(problem)
-    assert selection.backend.name == "cuda" and problem.extra["explicit"] is False
+    assert selection.backend.name == "cuda" and selection.problem.options.explicit is False
     # auto's cuda keeps the crossover (larger batches go to triton); an explicit cuda runs every batch
-    assert registry()["cuda"].prepare(problem, _tensors()).cuda_m_ranges == ((1, 4),)
-    explicit = _sm90_problem()
-    select_backend(explicit, "cuda", "test")
-    assert registry()["cuda"].prepare(explicit, _tensors()).cuda_m_ranges is None
+    assert registry()["cuda"].prepare(selection.problem, _tensors()).cuda_m_ranges == ((1, 4),)
+    explicit = select_backend(_sm90_problem(), "cuda", "test")
+    assert explicit.problem.options.explicit is True and not problem.options.explicit  # the given one unchanged
+    assert registry()["cuda"].prepare(explicit.problem, _tensors()).cuda_m_ranges is None
 
 
 def _tensors(zp: bool = True) -> KernelTensors:
@@ -78,7 +80,7 @@ def test_cuda_state_holds_group_major_tables_of_the_same_values(zp):
     # the CUDA kernel's copy: the same values, each group's rows adjacent in memory (cuda_ops.group_major);
     # the triton fallback keeps the layer's own tensors
     tensors = _tensors(zp)
-    state = registry()["cuda"].prepare(dataclasses.replace(_sm90_problem(), extra={"explicit": True}), tensors)
+    state = registry()["cuda"].prepare(_sm90_problem(explicit=True), tensors)
     assert state.tensors is tensors and state.cuda_tensors.w13_qweight is tensors.w13_qweight
     for name in ("w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros"):
         ours, theirs = getattr(state.cuda_tensors, name), getattr(tensors, name)

@@ -242,6 +242,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
         def _select(self, layer) -> None:
             requested, source = resolve_request(_vllm.layer_moe_backend(layer))
             self.selection = select_backend(self.problem, requested, source)
+            self.problem = self.selection.problem  # as judged: options.explicit says whether it was named
             key = f"{self.problem.describe()}|{requested}|{self.selection.backend.name}"
             if key not in _LOGGED:
                 _LOGGED.add(key)

@@ -8,6 +8,8 @@ lets any backend be compared with vLLM's own kernels on the same tensors.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vllm_wna16_plugin import _vllm
@@ -100,10 +102,10 @@ def fused_moe_wna16(
     )
     x, topk_weights, topk_ids, expert_map = routing_contiguous(x, topk_weights, topk_ids, expert_map)
     if use_td is not None:
-        problem.extra["use_td"] = use_td
+        problem = dataclasses.replace(problem, options=dataclasses.replace(problem.options, use_td=use_td))
     if backend not in ("auto", *registry()):
         raise ValueError(f"backend={backend!r} is unknown; supported: {['auto', *registry()]}")
     selection = select_backend(problem, backend, "backend=")
     tensors = KernelTensors(w13_qweight, w2_qweight, w13_scales, w2_scales, w13_qzeros, w2_qzeros)
-    state = selection.backend.prepare(problem, tensors)
-    return selection.backend.run(problem, state, x, topk_weights, topk_ids, expert_map=expert_map)
+    state = selection.backend.prepare(selection.problem, tensors)
+    return selection.backend.run(selection.problem, state, x, topk_weights, topk_ids, expert_map=expert_map)

@@ -44,6 +44,7 @@ class Selection:
     requested: str  # plugin name or "auto"
     source: str  # where the request came from, for messages
     verdicts: tuple[Verdict, ...]
+    problem: MoEProblem  # the problem as judged (options.explicit set): what prepare and run take
 
     def explain(self) -> str:
         lines = [f"moe_wna16_plus: using backend '{self.backend.name}' ({self.source}: {self.requested})"]
@@ -92,19 +93,20 @@ def collect_verdicts(problem: MoEProblem) -> tuple[Verdict, ...]:
 def select_backend(problem: MoEProblem, requested: str = "auto", source: str = "auto") -> Selection:
     """The backend to run `problem` with; raises ValueError if an explicit request cannot work.
 
-    Records the outcome in problem.extra["explicit"] (True when the user named the backend), which
-    a backend's prepare may read: an explicit `cuda` always runs the CUDA kernel, while auto's
-    `cuda` hands batches above the measured crossover to triton.
+    The Selection's problem is `problem` with options.explicit saying whether the user named the
+    backend (the one given is not changed), which a backend's prepare and run read: an explicit `cuda`
+    always runs the CUDA kernel, while auto's `cuda` hands batches outside the measured crossover to
+    triton.
     """
     backends = registry()
-    problem.extra.pop("explicit", None)  # verdicts are auto's unless stated below
-    verdicts = collect_verdicts(problem)
+    as_auto = dataclasses.replace(problem, options=dataclasses.replace(problem.options, explicit=False))
+    verdicts = collect_verdicts(as_auto)
     working = [v.backend for v in verdicts if v.ok]
     if requested != "auto":
         if requested not in backends:
             raise ValueError(f"backend {requested!r} is unknown; supported: {['auto'] + list(backends)}")
         # An explicit request may unlock test-only paths (Triton's interpreter on CPU).
-        explicit = dataclasses.replace(problem, extra={**problem.extra, "explicit": True})
+        explicit = dataclasses.replace(problem, options=dataclasses.replace(problem.options, explicit=True))
         verdict = Verdict(requested, backends[requested].incompatibility_reason(explicit))
         verdicts = tuple(verdict if v.backend == requested else v for v in verdicts)
         if not verdict.ok:
@@ -112,12 +114,10 @@ def select_backend(problem: MoEProblem, requested: str = "auto", source: str = "
                 f"moe_wna16_plus: backend '{requested}' ({source}) cannot run {problem.describe()}: "
                 f"{verdict.reason}. Backends that would work: {working or 'none'}"
             )
-        problem.extra["explicit"] = True
-        return Selection(backends[requested], requested, source, verdicts)
+        return Selection(backends[requested], requested, source, verdicts, explicit)
     if not working:
         raise ValueError(
             f"moe_wna16_plus: no backend can run {problem.describe()}: "
             + "; ".join(f"{v.backend}: {v.reason}" for v in verdicts)
         )
-    problem.extra["explicit"] = False
-    return Selection(backends[working[0]], "auto", source, verdicts)
+    return Selection(backends[working[0]], "auto", source, verdicts, as_auto)

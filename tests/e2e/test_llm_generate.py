@@ -117,12 +117,12 @@ def _verdict(checkpoint, backend: str) -> str | None:
     """The plugin oracle's reason to refuse an explicit `backend` for this checkpoint on this GPU (None: it runs)."""
     import dataclasses
 
-    from vllm_wna16_plugin.backends import registry
+    from vllm_wna16_plugin.backends import RunOptions, registry
     from vllm_wna16_plugin.tools.demo import device_key
     from vllm_wna16_plugin.tools.doctor import layer_problem
 
     problem = layer_problem(checkpoint, device=device_key())
-    problem = dataclasses.replace(problem, extra={"plan_only": True, "explicit": True})
+    problem = dataclasses.replace(problem, options=RunOptions(plan_only=True, explicit=True))
     return registry()["reference" if backend == "emulation" else backend].incompatibility_reason(problem)
 
 

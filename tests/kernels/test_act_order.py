@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_wna16_plugin import _vllm, packing  # noqa: E402
-from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, registry  # noqa: E402
+from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, RunOptions, registry  # noqa: E402
 from vllm_wna16_plugin.backends.base import act_order_issue, sort_act_order  # noqa: E402
 from vllm_wna16_plugin.kernels.triton import fused_moe  # noqa: E402
 from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig as Cfg  # noqa: E402
@@ -162,7 +162,7 @@ def test_triton_backend_accepts_sortable_act_order_and_runs_it():
     out = selection.backend.run(problem, state, x, w, ids)
     assert_close_scaled(out, reference(t, x, w, ids, None, 4), BF16, "triton backend, act order")
     # on an H200 the triton backend takes it; the cuda backend still refuses act order (not built yet)
-    h200 = dataclasses.replace(problem, platform="cuda", sm=90, extra={"plan_only": True})
+    h200 = dataclasses.replace(problem, platform="cuda", sm=90, options=RunOptions(plan_only=True))
     assert registry()["triton"].incompatibility_reason(h200) is None
     assert "act order" in registry()["cuda"].incompatibility_reason(h200)
 

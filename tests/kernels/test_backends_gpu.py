@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.kernels.conftest import assert_close_scaled, make_moe_problem
-from vllm_wna16_plugin.backends import registry
+from vllm_wna16_plugin.backends import RunOptions, registry
 from vllm_wna16_plugin.ops import fused_moe_wna16, make_problem
 from vllm_wna16_plugin.reference import fused_moe_wna16_ref
 
@@ -59,7 +59,7 @@ def test_gpu_backend_matches_reference(H, I, E, top_k, bits, gs, zp, backend, M,
         args[0], args[1], args[2], args[3], args[4], args[6], bits=bits, group_size=gs, has_zero_point=zp
     )
     # as select_backend asks for an explicit choice (cuda is not auto's until a measured crossover)
-    reason = registry()[name].incompatibility_reason(dataclasses.replace(problem, extra={"explicit": True}))
+    reason = registry()[name].incompatibility_reason(dataclasses.replace(problem, options=RunOptions(explicit=True)))
     if reason is not None:
         assert isinstance(reason, str) and reason
         pytest.skip(f"{name} rejects this case: {reason}")

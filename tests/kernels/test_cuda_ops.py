@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_wna16_plugin.backends import registry
+from vllm_wna16_plugin.backends import RunOptions, registry
 from vllm_wna16_plugin.block_config import choose_cuda_block_config
 from vllm_wna16_plugin.kernels.cuda_ops import extension_error, gemm_config, launch_config_error
 from vllm_wna16_plugin.ops import make_problem
@@ -166,7 +166,7 @@ def _problem(platform="cuda", sm=90, gs=32, bits=4, H=2048, I=512, explicit=Fals
     s13, s2 = torch.zeros(8, 2 * I, g13, dtype=torch.bfloat16), torch.zeros(8, H, g2, dtype=torch.bfloat16)
     p = make_problem(x, w13, w2, s13, s2, torch.zeros(1, 2, dtype=torch.int32), bits=bits, group_size=gs,
                      has_zero_point=False)  # fmt: skip
-    return dataclasses.replace(p, platform=platform, sm=sm, extra={"explicit": explicit, "plan_only": plan_only})
+    return dataclasses.replace(p, platform=platform, sm=sm, options=RunOptions(explicit=explicit, plan_only=plan_only))
 
 
 @needs_extension

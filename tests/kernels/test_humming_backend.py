@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.kernels.conftest import assert_close_scaled, make_moe_problem
-from vllm_wna16_plugin.backends.base import KernelTensors, MoEProblem
+from vllm_wna16_plugin.backends.base import KernelTensors, MoEProblem, RunOptions
 from vllm_wna16_plugin.backends.humming import HummingBackend, humming_api_error, torch_align, torch_weighted_sum
 from vllm_wna16_plugin.ops import make_problem
 from vllm_wna16_plugin.reference import fused_moe_wna16_ref
@@ -49,7 +49,7 @@ def _problem(
         act_dtype=dtype,
         platform=platform,
         sm=sm,
-        extra={"plan_only": True} if plan_only else {},
+        options=RunOptions(plan_only=plan_only),
         **fields,
     )
 

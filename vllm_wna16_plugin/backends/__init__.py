@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, RunOptions
 
 
 def registry() -> dict[str, Backend]:
@@ -27,4 +27,4 @@ def registry() -> dict[str, Backend]:
     return {b.name: b for b in backends}
 
 
-__all__ = ["Backend", "KernelTensors", "MoEProblem", "registry"]
+__all__ = ["Backend", "KernelTensors", "MoEProblem", "RunOptions", "registry"]

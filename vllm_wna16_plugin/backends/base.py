@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vllm_wna16_plugin.packing import permute_k, permute_n, sort_groups
 from vllm_wna16_plugin.scheme import WNA16Scheme
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a layer's backend is asked for and judged: a typed, frozen value (the oracle hands back a new
+    problem with `explicit` set instead of writing into the one it judged).
+
+    explicit: the user named the backend; it may then run where auto would not take it (Triton's
+    interpreter on CPU, `cuda` outside its measured crossover). plan_only: judge the device described
+    (doctor, a test's sm90 problem), not this machine: no imports or extension checks. device_name: the
+    GPU whose crossover table applies (a plan names one; else this machine's). use_td: the Triton
+    kernel's tensor descriptors (None: td_gate decides). cuda_kernel: "auto", or "gemv" for the CUDA-core
+    kernel (benchmarks)."""
+
+    explicit: bool = False
+    plan_only: bool = False
+    device_name: str | None = None
+    use_td: bool | None = None
+    cuda_kernel: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -32,7 +51,7 @@ class MoEProblem:
     act_order_issue: str | None = None
     use_ep: bool = False
     apply_router_weight_on_input: bool = False
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    options: RunOptions = RunOptions()
 
     def describe(self) -> str:
         return (

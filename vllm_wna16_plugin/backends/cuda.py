@@ -51,9 +51,9 @@ def layer_key(problem: MoEProblem) -> str:
 
 
 def device_name(problem: MoEProblem) -> str | None:
-    """The GPU's name (the crossover file's), or the one a plan names in extra["device_name"]."""
-    if "device_name" in problem.extra:
-        return problem.extra["device_name"]
+    """The GPU's name (the crossover file's), or the one a plan names in options.device_name."""
+    if problem.options.device_name is not None:
+        return problem.options.device_name
     if problem.platform == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return None
@@ -82,21 +82,19 @@ class CudaBackend(Backend):
                 return f"{name} K={k} is not a multiple of 8"
             if gs != k and (reason := cuda_group_reason(name, gs, k)):  # channel-wise: any K % 8 == 0
                 return reason
-        if not problem.extra.get("explicit") and not crossover.cuda_m_ranges(layer_key(problem), device_name(problem)):
+        if not problem.options.explicit and not crossover.cuda_m_ranges(layer_key(problem), device_name(problem)):
             return (
                 "no measured crossover over triton for this shape on this device "
                 "(auto takes cuda only where bench_moe.py --write-crossover measured it faster)"
             )
-        if problem.extra.get("plan_only"):
+        if problem.options.plan_only:
             return None
         from vllm_wna16_plugin.kernels.cuda_ops import extension_error
 
         return extension_error()
 
     def prepare(self, problem: MoEProblem, tensors: KernelTensors) -> CudaState:
-        ranges = (
-            None if problem.extra.get("explicit") else crossover.cuda_m_ranges(layer_key(problem), device_name(problem))
-        )
+        ranges = None if problem.options.explicit else crossover.cuda_m_ranges(layer_key(problem), device_name(problem))
         from vllm_wna16_plugin.kernels.cuda_ops import stream_workspace
 
         if tensors.w13_qweight.is_cuda:
@@ -115,5 +113,5 @@ class CudaBackend(Backend):
         return fused_moe_wna16_cuda(
             x, *tensors.weights(), topk_weights, topk_ids, **layer_kwargs(problem, tensors, expert_map),
             global_num_experts=problem.global_num_experts, align_fn=_vllm.moe_align_block_size_fn(),
-            kernel=problem.extra.get("cuda_kernel", "auto"),  # "gemv": the CUDA-core kernel (benchmarks)
+            kernel=problem.options.cuda_kernel,  # "gemv": the CUDA-core kernel (benchmarks)
         )  # fmt: skip

@@ -292,7 +292,7 @@ class HummingBackend(Backend):
             if _round_up(k, PAD_K_TO) % gs:
                 return f"{name} group size {gs} does not divide K={k} padded to {_round_up(k, PAD_K_TO)}"
         # zero points: the scheme's one flag covers both GEMMs; prepare checks the tensors agree
-        if problem.extra.get("plan_only"):
+        if problem.options.plan_only:
             return None
         return humming_api_error()
 

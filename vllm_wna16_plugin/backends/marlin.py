@@ -48,7 +48,7 @@ class MarlinBackend(Backend):
                 return f"{name} group size {g} is not one of {list(MARLIN_GROUP_SIZES)} or channel-wise"
         if problem.group_size_w13 == problem.hidden and problem.group_size_w2 != problem.intermediate:
             return "mixed channel-wise/group-wise GEMMs"
-        if problem.extra.get("plan_only"):
+        if problem.options.plan_only:
             return None
         try:
             from vllm_wna16_plugin import _vllm

@@ -19,7 +19,7 @@ class TritonBackend(Backend):
 
     def incompatibility_reason(self, problem: MoEProblem) -> str | None:
         on_gpu = problem.platform in ("cuda", "xpu", "rocm")
-        if not on_gpu and not (_interpreter_on() and problem.extra.get("explicit")):
+        if not on_gpu and not (_interpreter_on() and problem.options.explicit):
             return (
                 f"needs a CUDA/ROCm/XPU GPU (platform is {problem.platform}); on CPU it runs in Triton's interpreter "
                 "(slow) when asked for by name with TRITON_INTERPRET=1 set in the environment"
@@ -30,7 +30,7 @@ class TritonBackend(Backend):
             return f"act order (desc_act with a non-trivial g_idx) cannot be sorted: {problem.act_order_issue}"
         if problem.activation not in TRITON_ACTIVATIONS:
             return f"activation {problem.activation!r} is not one of {list(TRITON_ACTIVATIONS)}"
-        if problem.extra.get("plan_only"):  # doctor: judge the device described, not this machine
+        if problem.options.plan_only:  # doctor: judge the device described, not this machine
             return None
         try:
             import triton  # noqa: F401
@@ -53,6 +53,6 @@ class TritonBackend(Backend):
         align_fn = _vllm.moe_align_block_size_fn() if x.is_cuda else None
         return fused_moe_wna16_triton(
             x, *state.weights(), topk_weights, topk_ids, **layer_kwargs(problem, state, expert_map),
-            global_num_experts=problem.global_num_experts, use_td=problem.extra.get("use_td"), align_fn=align_fn,
+            global_num_experts=problem.global_num_experts, use_td=problem.options.use_td, align_fn=align_fn,
             a_perm=state.a_perm,
         )  # fmt: skip

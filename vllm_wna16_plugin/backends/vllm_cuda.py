@@ -47,7 +47,7 @@ class VllmCudaBackend(Backend):
         ):
             if reason := cuda_group_reason(name, gs, k):
                 return reason
-        if problem.extra.get("plan_only"):
+        if problem.options.plan_only:
             return None
         try:
             from vllm_wna16_plugin import _vllm

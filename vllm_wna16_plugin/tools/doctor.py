@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_wna16_plugin.backends import MoEProblem
+from vllm_wna16_plugin.backends import MoEProblem, RunOptions
 from vllm_wna16_plugin.block_config import LEGAL_K_RATIOS, choose_cuda_block_config, cuda_group_size
 from vllm_wna16_plugin.checkpoint_config import (
     MAX_SUGGESTED_TP,
@@ -251,7 +251,7 @@ def _problem(scheme, dims: MoEDims, i_loc: int, gs13: int, gs2: int, device: str
     return MoEProblem(scheme=scheme, hidden=dims.hidden, intermediate=i_loc, num_experts=dims.experts,
                       global_num_experts=dims.experts, top_k=dims.top_k, group_size_w13=gs13,
                       group_size_w2=gs2, act_dtype=torch.bfloat16, platform=platform, sm=sm,
-                      has_g_idx=scheme.desc_act, extra={"plan_only": True})  # fmt: skip
+                      has_g_idx=scheme.desc_act, options=RunOptions(plan_only=True))  # fmt: skip
 
 
 def _check_args(tp, device) -> None:

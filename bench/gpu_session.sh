@@ -8,7 +8,7 @@
 #   E2E_JOBS=8 bash bench/gpu_session.sh e2e               # 8 LLM(...) runs share the GPU at a time
 #   E2E_JOBS=12 bash bench/gpu_session.sh e2e-par          # the whole tier, two pytest processes side by side
 #   bash bench/gpu_session.sh probe inspect               # CUDA op refusals; vLLM's inspection subprocess
-#   VB=.vb34 bash bench/gpu_session.sh tests-par e2e-par   # on vLLM 0.34 (carry .vb34/part-1, .vb34/install.sh, .hw)
+#   VB=.vb34 bash bench/gpu_session.sh tests-par e2e-par   # on vLLM 0.34 (carry .vb34/part-1, .vb34/install.sh)
 #   bash bench/gpu_session.sh e2e-bench                   # bench/e2e.py (offline throughput)
 #   BREAKDOWN_ARGS='--m 2,8' bash bench/gpu_session.sh breakdown   # kernel times of a layer call
 #   FLOOR_ARGS='--experts 2,8' bash bench/gpu_session.sh floor      # the read floor of a call's bytes
@@ -20,7 +20,7 @@ export BENCH_COMMIT=${BENCH_COMMIT:-}  # names the commit in result files (else 
 VB=${VB:-.vb}
 source "$VB/install.sh" >/dev/null 2>/tmp/install.log || { cat /tmp/install.log; exit 1; }
 python3 -c "import vllm, torch; print('vLLM', vllm.__version__, 'on torch', torch.__version__, '(bundle $VB)')"
-# humming-kernels (vLLM 0.34's first choice on sm90; the plugin's `humming` backend), carried as a wheel in .hw
+# humming-kernels for the plugin's humming backend beside the 0.26 bundle (the 0.34 bundle has it), as a wheel in .hw
 if ls .hw/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-hw .hw/*.whl \
     && export PYTHONPATH=/tmp/site-hw${PYTHONPATH:+:$PYTHONPATH}

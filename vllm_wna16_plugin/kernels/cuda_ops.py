@@ -28,6 +28,11 @@ def extension_error() -> str | None:
     try:
         import vllm_wna16_plugin._C as ext
     except ImportError as exc:
+        if "undefined symbol" in str(exc):  # built, but against another torch than this one
+            return (
+                f"the plugin's CUDA extension was built against another torch than {torch.__version__} ({exc}); "
+                "rebuild it here: pip install --no-build-isolation -e ."
+            )
         return (
             f"the plugin's CUDA extension is not built ({exc}); reinstall with a CUDA toolkit: "
             "pip install --no-build-isolation -e ."

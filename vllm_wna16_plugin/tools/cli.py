@@ -66,21 +66,25 @@ def error_message(exc: BaseException) -> str:
 # active driver(s)", "Failed to import from vllm._C", torch's "No CUDA runtime is found"): true, and not
 # the user's concern in a tool that never starts vLLM's engine on a GPU.
 NO_GPU_NOISE = ("vllm.triton_utils.importing", "vllm.platforms.interface", "torch.utils.cpp_extension")
+# torch 2.14's deprecation notes about APIs vLLM 0.34 calls at import: vLLM's to act on, not the user's.
+DEPRECATION_NOISE = ("torch._opaque_base", "torch._library.opaque_object")
 
 
 def quiet_import_noise(verb: str) -> None:
-    """doctor and make-checkpoint never run vLLM: only vLLM's errors are shown (VLLM_LOGGING_LEVEL, unless
-    the user set it). The demo keeps vLLM's log (and the plugin's backend explanation, which is under
-    `vllm.`), without the no-GPU notes above when it runs on CPU."""
+    """doctor and make-checkpoint never run vLLM: only vLLM's and torch's errors are shown
+    (VLLM_LOGGING_LEVEL too, unless the user set it: vLLM up to 0.30 configures its logger at import). The
+    demo keeps vLLM's log (and the plugin's backend explanation, which is under `vllm.`), without the
+    deprecation notes above, nor the no-GPU notes when it runs on CPU."""
     if verb in ("doctor", "make-checkpoint"):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+        for name in ("vllm", "torch"):  # vLLM 0.31+ leaves `vllm` unconfigured here: it reaches the root handler
+            logging.getLogger(name).setLevel(logging.ERROR)
         return
     import torch
 
-    if not torch.cuda.is_available():
-        for name in NO_GPU_NOISE:
-            logging.getLogger(name).setLevel(logging.ERROR)
+    noise = DEPRECATION_NOISE + (() if torch.cuda.is_available() else NO_GPU_NOISE)
+    for name in noise:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def build_parser() -> argparse.ArgumentParser:

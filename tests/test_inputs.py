@@ -204,3 +204,23 @@ def test_a_regrouped_gemm2_is_described_by_a_group_size_pair():
         check_layer_tensors(*p.args(), **p.kwargs(), group_size=128)
     with pytest.raises(ValueError, match=r"w2_scales has 3 scale groups along K=96; group_size=48 needs 2"):
         check_layer_tensors(*p.args(), **p.kwargs(), group_size=(128, 48))
+
+
+def test_routing_values_are_not_read_back_while_a_graph_is_captured_or_compiled(monkeypatch):
+    """Reading ids back is a host sync: CUDA-graph capture forbids it (tests/kernels/test_backends_gpu.py
+    captures fused_moe_wna16), so the value check steps aside there; shapes are still checked."""
+    from vllm_wna16_plugin import ops
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("check_routing_values ran while compiling")
+
+    p = _problem(2, seed=17)
+    monkeypatch.setattr(ops, "check_routing_values", must_not_run)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    out = _call(p, "reference")
+    assert_close_scaled(out, fused_moe_wna16_ref(*p.args(), **p.kwargs()), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"topk_ids has dtype float32"):
+        _call(p, "reference", topk_ids=p.topk_ids.float())
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    with pytest.raises(AssertionError, match="ran while compiling"):
+        _call(p, "reference")

@@ -201,3 +201,42 @@ def test_group_size_that_cannot_split_is_named(vllm_cpu, monkeypatch):
     monkeypatch.setattr(_vllm, "layer_tp", lambda layer: (0, 16))
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts.*down"):
         _build(vllm_cpu, RAW["gptq"](4, 128, True), tp_size=16)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_trivial_act_order_g_idx_under_tp_reads_only_this_ranks_groups(vllm_cpu, monkeypatch, rank):
+    """desc_act keeps every group of the down projection on each rank (its g_idx names global groups). A
+    trivial g_idx (GPTQ static_groups) is dropped at load, and the rank must then read its own groups only:
+    before the fix rank 1 read rank 0's (relative error 0.7 instead of 0.009)."""
+    E, H, I, TOP_K, GS, TP = 4, 128, 128, 2, 32, 2  # noqa: N806, E741
+    monkeypatch.setattr(_vllm, "layer_tp", lambda layer: (rank, TP))
+    gen = torch.Generator().manual_seed(20 + rank)
+
+    def experts(n, k):
+        w = torch.randn(E, n, k, generator=gen) * 0.05
+        qws = [packing.quantize_rtn(w[e], 4, GS, has_zero_point=True) for e in range(E)]
+        for qw in qws:
+            qw.scales = qw.scales.half().float()
+        return torch.stack([packing.dequantize(qw) for qw in qws]), qws
+
+    (wg, qg), (wu, qu), (wd, qd) = experts(I, H), experts(I, H), experts(H, I)
+    weights = []
+    for e in range(E):
+        for proj, qw, k in (("gate_proj", qg[e], H), ("up_proj", qu[e], H), ("down_proj", qd[e], I)):
+            for key, t in packing.pack_gptq(qw, zero_point_offset=0).items():
+                weights.append((f"{e}.{proj}.{key}", t.half() if key == "scales" else t))
+            weights.append((f"{e}.{proj}.g_idx", (torch.arange(k) // GS).to(torch.int32)))  # trivial
+    raw = {"quant_method": "gptq", "bits": 4, "group_size": GS, "sym": False, "desc_act": True,
+           "checkpoint_format": "gptq_v2"}  # fmt: skip
+    layer = build_moe_layer(vllm_cpu, raw, E=E, H=H, I=I, top_k=TOP_K, tp_size=TP)
+    assert layer.quant_method.problem.act_order_issue  # act order at TP: judged before any weight is read
+    list(layer.load_weights(weights))
+    layer.quant_method.process_weights_after_loading(layer)
+    assert not layer.quant_method.problem.has_g_idx and layer.quant_method.tensors.w2_scales.shape[-1] == 2
+    x = torch.randn(6, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(6)])
+    w = torch.rand(6, TOP_K, generator=gen)
+    out = layer.quant_method.apply(layer, x, w, ids, None, None).float()
+    own = slice(rank * I // TP, (rank + 1) * I // TP)
+    exact = fused_moe_ref(x, torch.cat([wg[:, own], wu[:, own]], 1), wd[:, :, own], w, ids).float()
+    assert (out - exact).abs().max() / exact.abs().max() < 2**-6

@@ -15,7 +15,7 @@ import torch
 
 from vllm_wna16_plugin import _vllm
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem
-from vllm_wna16_plugin.backends.base import act_order_issue
+from vllm_wna16_plugin.backends.base import act_order_issue, act_order_split_issue
 from vllm_wna16_plugin.checkpoint_config import effective_group_size
 from vllm_wna16_plugin.oracle import resolve_request, select_backend
 from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
@@ -106,7 +106,9 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 _vllm.set_weight_attrs(param, {"weight_loader": self._make_loader(layer, kind, name)})
                 self.param_names[(gemm, kind)] = name
             # Fail before gigabytes are read: an explicit backend that cannot work errors now.
-            self.problem = self._make_problem(layer, has_g_idx=scheme.desc_act)
+            self.problem = self._make_problem(
+                layer, has_g_idx=scheme.desc_act, act_order_issue=act_order_split_issue(scheme, tp_size)
+            )
             self._select(layer)
 
         def _ckpt_name(self, layer, expert_id: int, shard_id: str, kind: str) -> TensorName:
@@ -179,13 +181,19 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 has_g_idx = not (self._trivial_g_idx(g13, self.shapes.group_size_w13) and self._trivial_g_idx(g2, None))
                 if not has_g_idx:
                     logger.info("moe_wna16_plus: %s: desc_act g_idx is trivial; running without act order", self.prefix)
+            w2_scales = get("w2", "scales").data
+            w2_qzeros = get("w2", "qzeros").data if self.scheme.has_zero_point else None
+            if self.scheme.desc_act and not has_g_idx and self.shapes.tp_size > 1:
+                # act order keeps every group of the down projection on each rank (its g_idx names global
+                # groups); dropped, this rank reads only its own: rows r*I_loc.. are groups r*G_loc..
+                w2_scales, w2_qzeros = self._own_w2_groups(w2_scales, w2_qzeros)
             self.tensors = KernelTensors(
                 w13_qweight=get("w13", "qweight").data,
                 w2_qweight=get("w2", "qweight").data,
                 w13_scales=get("w13", "scales").data,
-                w2_scales=get("w2", "scales").data,
+                w2_scales=w2_scales,
                 w13_qzeros=get("w13", "qzeros").data if self.scheme.has_zero_point else None,
-                w2_qzeros=get("w2", "qzeros").data if self.scheme.has_zero_point else None,
+                w2_qzeros=w2_qzeros,
                 w13_g_idx=g13.data if has_g_idx else None,
                 w2_g_idx=g2.data if has_g_idx else None,
             )
@@ -206,6 +214,13 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                     if kind in ("qweight", "scales", "qzeros") and new is not None:
                         getattr(layer, name).data = new
                 self.tensors = self.state
+
+        def _own_w2_groups(self, scales: torch.Tensor, qzeros: torch.Tensor | None):
+            """This rank's groups of the down projection's (E, H, G_full) scales and (E, H*bits/8, G_full)
+            zero points: G_loc = I_loc / group_size of them from r * G_loc (TP never re-groups act order)."""
+            g_loc = self.shapes.intermediate_local // self.shapes.group_size_w2
+            own = slice(self.shapes.tp_rank * g_loc, (self.shapes.tp_rank + 1) * g_loc)
+            return scales[..., own].contiguous(), None if qzeros is None else qzeros[..., own].contiguous()
 
         def _trivial_g_idx(self, g_idx, group_size) -> bool:
             if g_idx is None:

@@ -25,6 +25,12 @@ from vllm_wna16_plugin.oracle import select_backend
 from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """A CUDA graph is being captured, or torch.compile is tracing: no host reads of tensor values."""
+    compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
+    return compiling or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def make_problem(
     x, w13_qweight, w2_qweight, w13_scales, w2_scales, topk_ids, *, bits, group_size, has_zero_point,
     activation="silu", apply_router_weight_on_input=False, global_num_experts=-1, topk_weights=None,
@@ -97,9 +103,10 @@ def fused_moe_wna16(
         w13_qweight=w13_qweight, w2_qweight=w2_qweight, w13_scales=w13_scales, w2_scales=w2_scales,
         w13_qzeros=w13_qzeros, w2_qzeros=w2_qzeros,
     )  # fmt: skip
-    check_routing_values(
-        topk_ids, expert_map, num_experts=problem.num_experts, global_experts=problem.global_num_experts
-    )
+    if not _capturing(x):  # reading the ids back is a host sync, which CUDA-graph capture forbids
+        check_routing_values(
+            topk_ids, expert_map, num_experts=problem.num_experts, global_experts=problem.global_num_experts
+        )
     x, topk_weights, topk_ids, expert_map = routing_contiguous(x, topk_weights, topk_ids, expert_map)
     if use_td is not None:
         problem = dataclasses.replace(problem, options=dataclasses.replace(problem.options, use_td=use_td))

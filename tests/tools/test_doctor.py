@@ -350,3 +350,13 @@ def test_doctor_keeps_import_noise_off_stderr_on_a_machine_without_a_gpu(gs32_k2
     assert done.returncode == 0, done.stderr
     assert "scheme: gptq int4 group 32" in done.stdout
     assert done.stderr.strip() == "", done.stderr
+
+
+def test_doctor_plans_act_order_at_tp_on_reference_and_without_tp_on_triton(tmp_path):
+    """A rank's slice of an act-order down projection does not hold whole groups: triton cannot sort it."""
+    path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, desc_act=True, hidden=256,
+                           intermediate=128, experts=4, top_k=2, layers=1)  # fmt: skip
+    assert "backend on sm90 (auto): triton" in plan(path, tp=1, device="sm90")
+    at_tp2 = plan(path, tp=2, device="sm90")
+    assert "backend on sm90 (auto): reference" in at_tp2
+    assert "triton: rejected: act order (desc_act with a non-trivial g_idx) cannot be sorted: the down" in at_tp2

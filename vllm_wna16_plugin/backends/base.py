@@ -104,6 +104,19 @@ def _w13_w2_perms(
     return perm1, perm2, issue
 
 
+def act_order_split_issue(scheme: WNA16Scheme, tp_size: int) -> str | None:
+    """Why act order cannot run sorted on a tensor-parallel rank, known before any weight is read: a rank's
+    slice of the down projection's K holds rows of any group (its g_idx names global groups), so its
+    groups are not whole (sort_act_order needs whole groups). A trivial g_idx is dropped at load, and the
+    layer is judged again then."""
+    if scheme.desc_act and not scheme.is_channelwise and tp_size > 1:
+        return (
+            f"the down projection's K is split over tp_size={tp_size} ranks, and a rank's rows of an act-order "
+            "g_idx do not form whole groups"
+        )
+    return None
+
+
 def act_order_issue(
     w13_g_idx: torch.Tensor | None, w2_g_idx: torch.Tensor | None, w13_scales: torch.Tensor, w2_scales: torch.Tensor
 ) -> str | None:

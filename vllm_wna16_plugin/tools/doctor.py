@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from vllm_wna16_plugin.backends import MoEProblem, RunOptions
+from vllm_wna16_plugin.backends.base import act_order_split_issue
 from vllm_wna16_plugin.block_config import LEGAL_K_RATIOS, choose_cuda_block_config, cuda_group_size
 from vllm_wna16_plugin.checkpoint_config import (
     MAX_SUGGESTED_TP,
@@ -246,12 +247,13 @@ def _launch_config_table(gemms, k: int, e: int, bits: int) -> list[str]:
     return out
 
 
-def _problem(scheme, dims: MoEDims, i_loc: int, gs13: int, gs2: int, device: str) -> MoEProblem:
+def _problem(scheme, dims: MoEDims, i_loc: int, gs13: int, gs2: int, device: str, tp: int) -> MoEProblem:
     platform, sm = DEVICES[device]
     return MoEProblem(scheme=scheme, hidden=dims.hidden, intermediate=i_loc, num_experts=dims.experts,
                       global_num_experts=dims.experts, top_k=dims.top_k, group_size_w13=gs13,
                       group_size_w2=gs2, act_dtype=torch.bfloat16, platform=platform, sm=sm,
-                      has_g_idx=scheme.desc_act, options=RunOptions(plan_only=True))  # fmt: skip
+                      has_g_idx=scheme.desc_act, act_order_issue=act_order_split_issue(scheme, tp),
+                      options=RunOptions(plan_only=True))  # fmt: skip
 
 
 def _check_args(tp, device) -> None:
@@ -344,7 +346,7 @@ def layer_problem(model_dir: str | Path, tp: int = 1, device: str = "sm90") -> M
     if g is None:
         raise ValueError(f"{model_dir}: every MoE layer loads unquantized; the plugin runs none of them")
     gs13, gs2 = _group_sizes(g.scheme, cp.dims, tp, cp.prefixes[g.layers[0]])
-    return _problem(g.scheme, cp.dims, cp.dims.intermediate // tp, gs13, gs2, device)
+    return _problem(g.scheme, cp.dims, cp.dims.intermediate // tp, gs13, gs2, device, tp)
 
 
 def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_configs: bool) -> list[str]:
@@ -359,7 +361,7 @@ def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_con
         out.append(f"  {name:8s} K={size_k:6d} N={size_n:6d} group={gs if gs != size_k else 'channel'}{regroup}")
     if launch_configs:
         out += _launch_config_table(gemms, dims.top_k, dims.experts, scheme.bits)
-    verdicts = collect_verdicts(_problem(scheme, dims, i_loc, gs13, gs2, device))
+    verdicts = collect_verdicts(_problem(scheme, dims, i_loc, gs13, gs2, device, tp))
     chosen = next((v.backend for v in verdicts if v.ok), None)
     out += ["", f"backend on {device} (auto): {chosen}"]
     for v in verdicts:

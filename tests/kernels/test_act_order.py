@@ -9,6 +9,7 @@ Runs under the Triton interpreter (TRITON_INTERPRET=1, set by conftest).
 
 import dataclasses
 import os
+import re
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -267,16 +268,23 @@ def test_gptq_desc_act_layer_loads_sorted_and_runs_on_triton(vllm_cpu, monkeypat
 
 def test_gptq_desc_act_under_tp2_is_refused_on_triton_and_named(vllm_cpu, monkeypatch):
     # Under TP the down projection's K is split: a rank holds an uneven share of each act-order group.
+    # That is known from the config, so an explicit triton is refused before any weight is read, and
+    # auto plans reference; loaded, the rank's own g_idx gives the group that is not whole.
     from tests.conftest import build_moe_layer
 
     gen = torch.Generator().manual_seed(19)
     _, _, weights = _gptq_checkpoint(gen)
     monkeypatch.setattr(_vllm, "layer_tp", lambda layer: (0, 2))
     monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", "triton")
+    with pytest.raises(ValueError, match=r"backend 'triton'.*down projection's K is split over tp_size=2 ranks"):
+        build_moe_layer(vllm_cpu, RAW_GPTQ_ACT, E=E, H=H, I=I, top_k=TOP_K, tp_size=2)
+    monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", "auto")
     layer = build_moe_layer(vllm_cpu, RAW_GPTQ_ACT, E=E, H=H, I=I, top_k=TOP_K, tp_size=2)
     list(layer.load_weights(weights))
-    with pytest.raises(ValueError, match=r"backend 'triton'.*down \(K=intermediate\): local expert \d+: group \d+"):
-        layer.quant_method.process_weights_after_loading(layer)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.quant_method.selection.backend.name == "reference"
+    reason = layer.quant_method.problem.act_order_issue
+    assert re.match(r"down \(K=intermediate\): local expert \d+: group \d+", reason), reason
 
 
 # ---------------------------------------------------------------- GPU code generation, without a GPU

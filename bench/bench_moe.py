@@ -22,7 +22,6 @@ bench/results_table.py makes tables and plots from it).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import dataclasses
 import datetime
@@ -44,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_shapes, result
 from model_shapes import Shape, shapes_from_configs  # noqa: E402
 
 from vllm_wna16_plugin import packing  # noqa: E402
-from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, RunOptions, registry  # noqa: E402
+from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, RunOptions  # noqa: E402
+from vllm_wna16_plugin.kernels.options import KernelOptions  # noqa: E402
+from vllm_wna16_plugin.launch_plan import LayerRunner  # noqa: E402
 from vllm_wna16_plugin.ops import make_problem  # noqa: E402
 from vllm_wna16_plugin.oracle import select_backend  # noqa: E402
 from vllm_wna16_plugin.reference import fused_moe_ref  # noqa: E402
@@ -194,56 +195,53 @@ def layer_problem(x, w: Weights, topk_ids, gs: int, *, bits: int = 4, gs_w2: int
 
 
 def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4, gs_w2: int | None = None):
-    """(backend, problem, prepared state) of a plugin provider or of a DELEGATED peer (gs: the scheme's group
-    size; bits, gs_w2: Shape.bits and Shape.gs_w2, see layer_problem)."""
+    """The LayerRunner of a plugin provider or of a DELEGATED peer (gs: the scheme's group size; bits, gs_w2:
+    Shape.bits and Shape.gs_w2, see layer_problem): its selection, prepared states and launch plans, with the
+    kernel options the provider names (provider_options). Its `run(x, topk_weights, topk_ids)` is timed."""
     name = DELEGATED.get(prov) or prov.removeprefix("plugin-")
-    use_td, cuda_kernel = None, None
-    if name == "cuda-gemv":  # the CUDA-core kernel, where the tensor-core one would run
-        name, cuda_kernel = "cuda", "gemv"
-    elif name.startswith("cuda-"):  # a launch geometry of CUDA_FORMS
+    if name.startswith("cuda-"):  # a kernel or launch geometry of CUDA_FORMS
         name = "cuda"
-    if name in ("triton-auto", "triton-alt"):  # TD as the tuned config and td_gate decide: what the plugin runs
-        name = "triton"  # (-alt: with the configs of --alt-config-dir, see triton_form)
-    elif name.startswith("triton"):  # plugin-triton: pointer loads forced; plugin-triton-td: TD forced
-        use_td, name = name.endswith("-td"), "triton"
+    if name.startswith("triton"):  # plugin-triton-*: a form of TRITON_FORMS, or TD as named / as decided
+        name = "triton"
     problem = layer_problem(x, w, topk_ids, gs, bits=bits, gs_w2=gs_w2)
-    options = RunOptions(use_td=use_td, cuda_kernel=cuda_kernel or "auto", explicit=name != "auto")
-    problem = dataclasses.replace(problem, options=options)  # each provider but auto is asked for by name
-    if name == "auto":  # the oracle's pick with the shipped crossover: what a user gets by default
-        selection = select_backend(problem)
-        backend, problem = selection.backend, selection.problem
-    else:
-        backend = registry()[name]
-    reason = backend.incompatibility_reason(problem)
-    if reason:
-        raise NotApplicable(f"{name} rejects: {reason}")
-    state = backend.prepare(problem, KernelTensors(w.q13, w.q2, w.scales13, w.scales2))
-    return backend, problem, state
+    problem = dataclasses.replace(problem, options=RunOptions(kernel=provider_options(prov)))
+    try:  # each provider but auto is asked for by name; auto is the oracle's pick with the shipped crossover
+        selection = select_backend(problem, name, "provider")
+    except ValueError as exc:
+        raise NotApplicable(f"{name} rejects: {exc}") from None
+    return LayerRunner(selection, KernelTensors(w.q13, w.q2, w.scales13, w.scales2))
 
 
-# Providers that time a Triton kernel form other than the default (fused_moe.PAIR_STEP_MATH, DOT_NIBBLES):
+# Providers that time a Triton kernel form other than the default (KernelOptions.pair_step_math, dot_nibbles):
 # the dequantize-the-tile GEMV and the interleaved int4 dot (the defaults before 09163a5's measurement),
-# the split dot (the default before c5ff782's), and the words dot wherever the tile takes it
+# the split dot (the default before c5ff782's), and the words dot wherever the tile takes it; plugin-triton
+# forces pointer loads, plugin-triton-td forces TD, plugin-triton-auto lets the tuned config and td_gate
+# decide (what the plugin runs), plugin-triton-alt reads its tuned configs from --alt-config-dir
 TRITON_FORMS = {
-    "plugin-triton-tile": {"PAIR_STEP_MATH": "tile", "DOT_NIBBLES": "interleave"},
-    "plugin-triton-split": {"DOT_NIBBLES": "split"},
-    "plugin-triton-words": {"DOT_NIBBLES": "words"},
+    "plugin-triton": {"use_td": False},
+    "plugin-triton-td": {"use_td": True},
+    "plugin-triton-auto": {},
+    "plugin-triton-alt": {},
+    "plugin-triton-tile": {"use_td": False, "pair_step_math": "tile", "dot_nibbles": "interleave"},
+    "plugin-triton-split": {"use_td": False, "dot_nibbles": "split"},
+    "plugin-triton-words": {"use_td": False, "dot_nibbles": "words"},
 }
 
 
-# Providers that time the CUDA kernel under another launch geometry (cuda_ops.MIN_CTAS: the grid
-# BLOCK_SIZE_N is halved toward; MIN_WARP_STEPS: the K steps a warp keeps while it is halved), form
-# (cuda_ops.STREAM), alignment or launch kind (cuda_ops.PROGRAMMATIC_LAUNCH)
+# Providers that time the CUDA kernel as another kernel (cuda_kernel), launch geometry (cuda_ctas_per_sm: the
+# grid BLOCK_SIZE_N is halved toward; cuda_min_warp_steps: the K steps a warp keeps while it is halved), form
+# (cuda_stream), alignment (own_align) or launch kind (programmatic_launch); see KernelOptions
 CUDA_FORMS = {
-    "plugin-cuda-ctas1": {"MIN_CTAS": 132},
-    "plugin-cuda-ctas4": {"MIN_CTAS": 4 * 132},
-    "plugin-cuda-steps4": {"MIN_WARP_STEPS": 4},
-    "plugin-cuda-steps0": {"MIN_WARP_STEPS": 0},  # the halving before MIN_WARP_STEPS
-    "plugin-cuda-ctas4-steps4": {"MIN_CTAS": 4 * 132, "MIN_WARP_STEPS": 4},
-    "plugin-cuda-bm16": {"MAX_BLOCK_M": 16},  # vLLM's min(16, M) (the default before 2026-12-04-bm8a)
-    "plugin-cuda-tiles": {"STREAM": False},  # the tiled mma kernel for decode blocks (before the stream kernel)
-    "plugin-cuda-vllm-align": {"OWN_ALIGN": False},  # vLLM's moe_align_block_size (before csrc/moe_align.cu)
-    "plugin-cuda-plain-launch": {"PROGRAMMATIC_LAUNCH": False},  # no programmatic dependent launches
+    "plugin-cuda-gemv": {"cuda_kernel": "gemv"},  # the CUDA-core kernel, where the tensor-core one would run
+    "plugin-cuda-ctas1": {"cuda_ctas_per_sm": 1},
+    "plugin-cuda-ctas4": {"cuda_ctas_per_sm": 4},
+    "plugin-cuda-steps4": {"cuda_min_warp_steps": 4},
+    "plugin-cuda-steps0": {"cuda_min_warp_steps": 0},  # the halving before the warp-steps floor
+    "plugin-cuda-ctas4-steps4": {"cuda_ctas_per_sm": 4, "cuda_min_warp_steps": 4},
+    "plugin-cuda-bm16": {"cuda_max_block_m": 16},  # vLLM's min(16, M) (the default before 2026-12-04-bm8a)
+    "plugin-cuda-tiles": {"cuda_stream": False},  # the tiled mma kernel for decode blocks (before the stream kernel)
+    "plugin-cuda-vllm-align": {"own_align": False},  # vLLM's moe_align_block_size (before csrc/moe_align.cu)
+    "plugin-cuda-plain-launch": {"programmatic_launch": False},  # no programmatic dependent launches
 }
 
 
@@ -252,31 +250,14 @@ CUDA_FORMS = {
 ALT_CONFIG_DIR: Path | None = None
 
 
-@contextlib.contextmanager
-def triton_form(prov: str):
-    """The kernel form of `prov` (TRITON_FORMS, CUDA_FORMS) and, for plugin-triton-alt, its config directory,
-    while a call is checked and captured; the CUDA graph keeps the kernels it captured."""
-    from vllm_wna16_plugin.kernels import cuda_ops
-    from vllm_wna16_plugin.kernels.triton import configs, fused_moe
-
-    module, form = (cuda_ops, CUDA_FORMS[prov]) if prov in CUDA_FORMS else (fused_moe, TRITON_FORMS.get(prov, {}))
-    saved = {name: getattr(module, name) for name in form}
-    for name, value in form.items():
-        setattr(module, name, value)
-    alt = prov == "plugin-triton-alt"
-    if alt:
+def provider_options(prov: str) -> KernelOptions:
+    """The kernel options a provider names (TRITON_FORMS, CUDA_FORMS; the defaults for the others)."""
+    form = {**TRITON_FORMS.get(prov, {}), **CUDA_FORMS.get(prov, {})}
+    if prov == "plugin-triton-alt":
         if ALT_CONFIG_DIR is None:
             raise NotApplicable("plugin-triton-alt needs --alt-config-dir")
-        shipped, configs.CONFIG_DIR = configs.CONFIG_DIR, ALT_CONFIG_DIR
-        configs.get_triton_moe_config.cache_clear()
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
-        if alt:
-            configs.CONFIG_DIR = shipped
-            configs.get_triton_moe_config.cache_clear()
+        form["config_dir"] = ALT_CONFIG_DIR
+    return KernelOptions(**form)
 
 
 def git_commit() -> str:
@@ -505,9 +486,7 @@ def main(argv=None) -> int:
                         # Backends prepare once (Marlin repacks): only `run` is timed, as in serving.
                         if id(w) not in prepared:
                             prepared[id(w)] = plugin_backend(prov, xc, w, tic, s.gs, bits=s.bits, gs_w2=s.gs_w2)
-                        backend, problem, state = prepared[id(w)]
-                        with triton_form(prov):
-                            return backend.run(problem, state, xc, twc, tic)
+                        return prepared[id(w)].run(xc, twc, tic)
                     if dense:
                         return vllm.dense(xc, w.dense13, w.dense2, twc, tic)
                     return vllm.int4(prov, xc, w, twc, tic, s.gs, s.bits)

@@ -29,7 +29,6 @@ from bench_moe import (  # bench/ is on sys.path as the script's folder
     make_weights,
     plugin_backend,
     time_graph,
-    triton_form,
     weight_bytes_per_expert,
 )
 from torch.profiler import ProfilerActivity, profile
@@ -100,9 +99,8 @@ def main() -> int:
             for prov in args.providers.split(","):
                 prepared = [plugin_backend(prov, x, w, ids, s.gs) for w in ws]
 
-                def call(b, prov=prov):
-                    with triton_form(prov):  # the kernel form a plugin-cuda-* / plugin-triton-* provider names
-                        return b[0].run(b[1], b[2], x, tw, ids)
+                def call(runner):  # with the kernel form a plugin-cuda-* / plugin-triton-* provider names
+                    return runner.run(x, tw, ids)
 
                 calls = [lambda b=b: call(b) for b in prepared]
                 graph_us = time_graph(calls, 20)[0]

@@ -35,9 +35,9 @@ def main() -> int:
     tw, ids = torch.topk(torch.randn(args.m, s.E, generator=gen, device="cuda").softmax(-1), s.top_k, dim=-1)
     ids = ids.to(torch.int32)
     for prov in args.providers.split(","):
-        backend, problem, state = plugin_backend(prov, x, w, ids, s.gs)
+        runner = plugin_backend(prov, x, w, ids, s.gs)
         for _ in range(args.iters):
-            backend.run(problem, state, x, tw, ids)
+            runner.run(x, tw, ids)
         torch.cuda.synchronize()
         print(f"profile_kernels: ran {prov} x{args.iters} on {s.name} M={args.m}", flush=True)
     return 0

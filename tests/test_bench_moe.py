@@ -41,7 +41,7 @@ def test_without_plugin_auto_the_ratios_are_of_the_best_plugin_provider(bench):
     assert line == "| s | 8 | 100.0 | 50.0 | 80.0 | crash | cuda | 60% | 1.60 | - |", line
 
 
-def test_the_alt_provider_reads_its_own_config_dir_only_while_it_runs(bench, tmp_path, monkeypatch):
+def test_the_alt_provider_reads_its_own_config_dir_and_no_other_provider_does(bench, tmp_path, monkeypatch):
     import json
 
     from vllm_wna16_plugin.kernels.triton import configs
@@ -50,15 +50,29 @@ def test_the_alt_provider_reads_its_own_config_dir_only_while_it_runs(bench, tmp
     name = configs.config_file_name(4, 256, 512, 128, 4, "GPU X")
     (tmp_path / name).write_text(json.dumps({"64": entry.to_dict()}))
     monkeypatch.setattr(bench, "ALT_CONFIG_DIR", tmp_path)
-    get = lambda: configs.get_triton_moe_config(64, 4, 256, 512, 2, 128, 4, "GPU X")  # noqa: E731
+    get = lambda d=None: configs.get_triton_moe_config(64, 4, 256, 512, 2, 128, 4, "GPU X", d)  # noqa: E731
     shipped = get()  # no file in the package for "GPU X": the heuristic
     assert shipped == configs.default_config(64, 4, 256, 512, 2, 128, 4)
-    with bench.triton_form("plugin-triton-alt"):
-        assert get() == entry
-    assert get() == shipped and configs.CONFIG_DIR.name == "configs"  # restored, cache cleared
+    alt = bench.provider_options("plugin-triton-alt")
+    assert alt.config_dir == tmp_path and get(alt.config_dir) == entry
+    assert bench.provider_options("plugin-triton-auto").config_dir is None and get() == shipped
     monkeypatch.setattr(bench, "ALT_CONFIG_DIR", None)
-    with pytest.raises(bench.NotApplicable, match="--alt-config-dir"), bench.triton_form("plugin-triton-alt"):
-        pass
+    with pytest.raises(bench.NotApplicable, match="--alt-config-dir"):
+        bench.provider_options("plugin-triton-alt")
+
+
+def test_every_kernel_form_provider_names_valid_kernel_options(bench):
+    # each form is a KernelOptions value (built, so checked), and only the form's own fields differ
+    from vllm_wna16_plugin.kernels.options import DEFAULT_OPTIONS
+
+    for prov, form in {**bench.TRITON_FORMS, **bench.CUDA_FORMS}.items():
+        if prov == "plugin-triton-alt":
+            continue
+        opts = bench.provider_options(prov)
+        changed = {k for k in form if getattr(opts, k) != getattr(DEFAULT_OPTIONS, k)}
+        assert changed == {k for k, v in form.items() if v != getattr(DEFAULT_OPTIONS, k)}, prov
+    assert bench.provider_options("plugin-cuda-tiles").cuda_stream is False
+    assert bench.provider_options("plugin-triton-td").use_td is True
 
 
 # ---------------------------------------------------------------- any model's shape (bench/model_shapes.py)

@@ -12,6 +12,7 @@ from vllm_wna16_plugin import crossover
 from vllm_wna16_plugin.backends import RunOptions, registry
 from vllm_wna16_plugin.backends.base import KernelTensors
 from vllm_wna16_plugin.backends.cuda import layer_key
+from vllm_wna16_plugin.launch_plan import plan
 from vllm_wna16_plugin.ops import make_problem
 from vllm_wna16_plugin.oracle import select_backend
 
@@ -60,11 +61,12 @@ def test_auto_takes_cuda_only_where_a_crossover_is_measured(tmp_path, monkeypatc
     problem = _sm90_problem()
     selection = select_backend(problem)
     assert selection.backend.name == "cuda" and selection.problem.options.explicit is False
-    # auto's cuda keeps the crossover (larger batches go to triton); an explicit cuda runs every batch
-    assert registry()["cuda"].prepare(selection.problem, _tensors()).cuda_m_ranges == ((1, 4),)
+    # auto's cuda layer keeps the crossover in its plans (larger batches go to triton); an explicit cuda runs
+    # every batch (tests/test_launch_plan.py runs both through a layer's runner)
+    assert [plan(problem, m, selection=selection).backend for m in (1, 4, 5)] == ["cuda", "cuda", "triton"]
     explicit = select_backend(_sm90_problem(), "cuda", "test")
     assert explicit.problem.options.explicit is True and not problem.options.explicit  # the given one unchanged
-    assert registry()["cuda"].prepare(explicit.problem, _tensors()).cuda_m_ranges is None
+    assert [plan(problem, m, selection=explicit).backend for m in (1, 4, 5)] == ["cuda"] * 3
 
 
 def _tensors(zp: bool = True) -> KernelTensors:
@@ -78,12 +80,12 @@ def _tensors(zp: bool = True) -> KernelTensors:
 @pytest.mark.parametrize("zp", [True, False])
 def test_cuda_state_holds_group_major_tables_of_the_same_values(zp):
     # the CUDA kernel's copy: the same values, each group's rows adjacent in memory (cuda_ops.group_major);
-    # the triton fallback keeps the layer's own tensors
+    # the packed weights are shared (triton, for batches outside the crossover, keeps the layer's own tensors)
     tensors = _tensors(zp)
     state = registry()["cuda"].prepare(_sm90_problem(explicit=True), tensors)
-    assert state.tensors is tensors and state.cuda_tensors.w13_qweight is tensors.w13_qweight
+    assert state.w13_qweight is tensors.w13_qweight and state.w2_qweight is tensors.w2_qweight
     for name in ("w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros"):
-        ours, theirs = getattr(state.cuda_tensors, name), getattr(tensors, name)
+        ours, theirs = getattr(state, name), getattr(tensors, name)
         if theirs is None:
             assert ours is None
             continue

@@ -4,9 +4,10 @@ Parameters are registered under the checkpoint format's own names (so vLLM's
 expert mapping finds them) but already in the plugin's kernel layout: each
 checkpoint tensor is converted as it is loaded (weight_loading.py). After
 loading, every expected tensor is checked present, act order is dropped when
-g_idx is trivial, and the chosen backend prepares its state once (the `triton`
-backend sorts act order's K into contiguous groups; the layer's parameters then
-hold the sorted tensors).
+g_idx is trivial, and the layer's runner (launch_plan.LayerRunner) prepares the
+state of each backend its launch plans name, once (the `triton` backend sorts act
+order's K into contiguous groups; the layer's parameters then hold the sorted
+tensors). apply runs each batch on the plan of its size.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from vllm_wna16_plugin import _vllm
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem
 from vllm_wna16_plugin.backends.base import act_order_issue, act_order_split_issue
 from vllm_wna16_plugin.checkpoint_config import effective_group_size
+from vllm_wna16_plugin.launch_plan import LayerRunner
 from vllm_wna16_plugin.oracle import resolve_request, select_backend
 from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
 from vllm_wna16_plugin.weight_loading import CHECKPOINT_NAMES, MoEShapes, TensorName, convert_checkpoint_tensor
@@ -69,7 +71,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             self.prefix = prefix
             self.selection = None
             self.problem: MoEProblem | None = None
-            self.state = None
+            self.runner: LayerRunner | None = None
 
         # ---------------------------------------------------------------- weights
 
@@ -204,16 +206,19 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             if has_g_idx != self.problem.has_g_idx or issue != self.problem.act_order_issue:
                 self.problem = self._make_problem(layer, has_g_idx=has_g_idx, act_order_issue=issue)
                 self._select(layer)
-            self.state = self.selection.backend.prepare(self.problem, self.tensors)
-            if isinstance(self.state, KernelTensors) and self.state.a_perm is not None:
+            self.runner = LayerRunner(self.selection, self.tensors)
+            sorted_state = next(
+                (s for s in self.runner.states.values() if getattr(s, "a_perm", None) is not None), None
+            )
+            if sorted_state is not None:
                 # act order, sorted by the backend (backends.base.sort_act_order): the layer's parameters
                 # take the sorted tensors so that one copy stays in memory (g_idx keeps the checkpoint's
                 # order; a reload writes the checkpoint's layout into them and is sorted again here)
                 for (gemm, kind), name in self.param_names.items():
-                    new = getattr(self.state, f"{gemm}_{kind}", None)
+                    new = getattr(sorted_state, f"{gemm}_{kind}", None)
                     if kind in ("qweight", "scales", "qzeros") and new is not None:
                         getattr(layer, name).data = new
-                self.tensors = self.state
+                self.tensors = sorted_state
 
         def _own_w2_groups(self, scales: torch.Tensor, qzeros: torch.Tensor | None):
             """This rank's groups of the down projection's (E, H, G_full) scales and (E, H*bits/8, G_full)
@@ -274,8 +279,6 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             )
 
         def apply(self, layer, x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
-            return self.selection.backend.run(
-                self.problem, self.state, x, topk_weights, topk_ids, expert_map=layer.expert_map
-            )
+            return self.runner.run(x, topk_weights, topk_ids, layer.expert_map)
 
     return MoeWNA16PlusMethod()

@@ -21,6 +21,8 @@ from vllm_wna16_plugin.inputs import (
     global_expert_count,
     routing_contiguous,
 )
+from vllm_wna16_plugin.kernels.options import KernelOptions
+from vllm_wna16_plugin.launch_plan import LayerRunner
 from vllm_wna16_plugin.oracle import select_backend
 from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
 
@@ -85,13 +87,16 @@ def fused_moe_wna16(
     expert_map: torch.Tensor | None = None,
     global_num_experts: int = -1,
     use_td: bool | None = None,
+    options: KernelOptions | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_j w[t,j] * W2[e] @ act(W13[e] @ x[t]), e = topk_ids[t,j], with W = (q - z) * s.
 
     backend: "auto" or a name from `backends.registry()` ("triton", "cuda", "marlin",
     "vllm_cuda", "reference"). use_td: the Triton backend's tensor-descriptor
-    switch (None: the hardware gate decides). A backend that cannot run the
-    problem raises ValueError with the reason (no launch happens).
+    switch (None: the hardware gate decides). options: the kernels' forms
+    (kernels.options.KernelOptions; use_td, when given, overrides its use_td). A
+    backend that cannot run the problem raises ValueError with the reason (no
+    launch happens). Each batch runs on its launch plan (launch_plan.plan).
     """
     problem = make_problem(
         x, w13_qweight, w2_qweight, w13_scales, w2_scales, topk_ids, bits=bits, group_size=group_size,
@@ -108,11 +113,12 @@ def fused_moe_wna16(
             topk_ids, expert_map, num_experts=problem.num_experts, global_experts=problem.global_num_experts
         )
     x, topk_weights, topk_ids, expert_map = routing_contiguous(x, topk_weights, topk_ids, expert_map)
+    kernel = options or problem.options.kernel
     if use_td is not None:
-        problem = dataclasses.replace(problem, options=dataclasses.replace(problem.options, use_td=use_td))
+        kernel = dataclasses.replace(kernel, use_td=use_td)
+    problem = dataclasses.replace(problem, options=dataclasses.replace(problem.options, kernel=kernel))
     if backend not in ("auto", *registry()):
         raise ValueError(f"backend={backend!r} is unknown; supported: {['auto', *registry()]}")
     selection = select_backend(problem, backend, "backend=")
     tensors = KernelTensors(w13_qweight, w2_qweight, w13_scales, w2_scales, w13_qzeros, w2_qzeros)
-    state = selection.backend.prepare(selection.problem, tensors)
-    return selection.backend.run(selection.problem, state, x, topk_weights, topk_ids, expert_map=expert_map)
+    return LayerRunner(selection, tensors).run(x, topk_weights, topk_ids, expert_map)

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from vllm_wna16_plugin import _vllm, packing  # noqa: E402
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, RunOptions, registry  # noqa: E402
 from vllm_wna16_plugin.backends.base import act_order_issue, sort_act_order  # noqa: E402
-from vllm_wna16_plugin.kernels.triton import fused_moe  # noqa: E402
+from vllm_wna16_plugin.kernels.options import KernelOptions  # noqa: E402
 from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig as Cfg  # noqa: E402
 from vllm_wna16_plugin.kernels.triton.fused_moe import fused_moe_wna16_triton  # noqa: E402
 from vllm_wna16_plugin.oracle import select_backend  # noqa: E402
@@ -116,10 +116,11 @@ def test_sorted_act_order_matches_reference_on_original_g_idx(
 
 
 @pytest.mark.parametrize("form", ["split", "interleave"])
-def test_other_int4_dot_forms_read_the_permuted_a(form, monkeypatch):
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", form)
+def test_other_int4_dot_forms_read_the_permuted_a(form):
     t, x, w, ids, emap = make_case(M=5, H=320, inter=96, E=4, top_k=2, bits=4, gs=32, zp=True, seed=11)
-    out = run_sorted(t, x, w, ids, emap, 4, configs=Cfg(16, 32, 64), use_td=False)
+    out = run_sorted(
+        t, x, w, ids, emap, 4, configs=Cfg(16, 32, 64), use_td=False, options=KernelOptions(dot_nibbles=form)
+    )
     assert_close_scaled(out, reference(t, x, w, ids, emap, 4), BF16, form)
 
 
@@ -253,11 +254,12 @@ def test_gptq_desc_act_layer_loads_sorted_and_runs_on_triton(vllm_cpu, monkeypat
     method.process_weights_after_loading(layer)
     assert method.problem.has_g_idx and method.problem.act_order_issue is None
     assert method.selection.backend.name == "triton"
-    assert method.state.a_perm is not None
+    state = method.runner.states["triton"]
+    assert state.a_perm is not None
     # the layer's parameters now hold the sorted tensors (one copy in memory)
     for gemm, kind in (("w13", "qweight"), ("w13", "scales"), ("w13", "qzeros"), ("w2", "qweight")):
         param = getattr(layer, method.param_names[(gemm, kind)])
-        assert param.data_ptr() == getattr(method.state, f"{gemm}_{kind}").data_ptr()
+        assert param.data_ptr() == getattr(state, f"{gemm}_{kind}").data_ptr()
     x = torch.randn(6, H, generator=gen).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(6)])
     w = torch.rand(6, TOP_K, generator=gen)

@@ -15,6 +15,7 @@ import torch
 
 from tests.kernels.conftest import assert_close_scaled, make_moe_problem
 from vllm_wna16_plugin.backends import RunOptions, registry
+from vllm_wna16_plugin.kernels.options import KernelOptions
 from vllm_wna16_plugin.ops import fused_moe_wna16, make_problem
 from vllm_wna16_plugin.reference import fused_moe_wna16_ref
 
@@ -34,8 +35,8 @@ CASES = [
 # words on wide K tiles): triton-tile the first defaults (the per-pair "tile" step is still the fallback
 # for int4 rows off a 32-bit word), triton-split the split dot everywhere
 TRITON_FORMS = {
-    "triton-tile": {"PAIR_STEP_MATH": "tile", "DOT_NIBBLES": "interleave"},
-    "triton-split": {"DOT_NIBBLES": "split"},
+    "triton-tile": KernelOptions(pair_step_math="tile", dot_nibbles="interleave"),
+    "triton-split": KernelOptions(dot_nibbles="split"),
 }
 BACKENDS = ["triton", "triton-td", "triton-tile", "triton-split", "cuda", "vllm_cuda", "marlin"]
 
@@ -43,12 +44,9 @@ BACKENDS = ["triton", "triton-td", "triton-tile", "triton-split", "cuda", "vllm_
 @pytest.mark.parametrize("M", [1, 33, 300])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("H, I, E, top_k, bits, gs, zp", CASES)
-def test_gpu_backend_matches_reference(H, I, E, top_k, bits, gs, zp, backend, M, monkeypatch):
-    if backend in TRITON_FORMS:
-        from vllm_wna16_plugin.kernels.triton import fused_moe
-
-        for name, value in TRITON_FORMS[backend].items():
-            monkeypatch.setattr(fused_moe, name, value)
+def test_gpu_backend_matches_reference(H, I, E, top_k, bits, gs, zp, backend, M):
+    options = TRITON_FORMS.get(backend)
+    if options is not None:
         backend = "triton"
     p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=bits, gs1=gs, zp=zp, seed=M + E)
     cuda = lambda t: None if t is None else t.cuda()  # noqa: E731
@@ -64,7 +62,7 @@ def test_gpu_backend_matches_reference(H, I, E, top_k, bits, gs, zp, backend, M,
         assert isinstance(reason, str) and reason
         pytest.skip(f"{name} rejects this case: {reason}")
     ref = fused_moe_wna16_ref(*args, **kw).cpu()  # float32 torch on the GPU: independent of every kernel
-    out = fused_moe_wna16(*args, group_size=gs, backend=name, use_td=use_td, **kw)
+    out = fused_moe_wna16(*args, group_size=gs, backend=name, use_td=use_td, options=options, **kw)
     torch.cuda.synchronize()
     assert_backend_matches(name, out.cpu(), ref, f"{backend} M={M}")
 
@@ -110,20 +108,18 @@ def test_gpu_backend_captures_in_cuda_graph(backend):
         pytest.param(2816, 352, -1, True, id="channelwise-zp"),
     ],
 )
-def test_gpu_triton_words_form_on_wide_k_tiles(H, I, gs, zp, bk, dtype, monkeypatch):
-    """DOT_NIBBLES = "words" where it engages (BLOCK_SIZE_K >= 128), with the GPU's bf16/fp16 magic."""
-    from vllm_wna16_plugin.kernels.triton import fused_moe
+def test_gpu_triton_words_form_on_wide_k_tiles(H, I, gs, zp, bk, dtype):
+    """dot_nibbles="words" where it engages (BLOCK_SIZE_K >= 128), with the GPU's bf16/fp16 magic."""
+    from vllm_wna16_plugin.kernels.triton import configs, fused_moe
     from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig
     from vllm_wna16_plugin.kernels.triton.fused_moe import fused_moe_wna16_triton
-    from vllm_wna16_plugin.kernels.triton.td_gate import TDDecision
 
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
     p = make_moe_problem(M=40, H=H, I=I, E=8, top_k=2, bits=4, gs1=gs, zp=zp, dtype=dtype, seed=bk + H)
     args = [None if t is None else t.cuda() for t in p.args()]
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in p.kwargs().items()}
     cfg = TritonMoEConfig(16, 64, bk)
-    assert fused_moe._use_word_nibbles(4, cfg, H, args[1], TDDecision(False, False, "test"))
+    assert configs._use_word_nibbles(4, cfg, H, fused_moe._rows_on_words(args[1]), False)
     ref = fused_moe_wna16_ref(*args, **kw).cpu()
-    out = fused_moe_wna16_triton(*args, **kw, configs=cfg, use_td=False)
+    out = fused_moe_wna16_triton(*args, **kw, configs=cfg, use_td=False, options=KernelOptions(dot_nibbles="words"))
     torch.cuda.synchronize()
     assert_close_scaled(out.cpu(), ref, dtype, f"words form BLOCK_K={bk}")

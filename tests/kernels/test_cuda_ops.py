@@ -25,6 +25,7 @@ import torch
 from vllm_wna16_plugin.backends import RunOptions, registry
 from vllm_wna16_plugin.block_config import choose_cuda_block_config
 from vllm_wna16_plugin.kernels.cuda_ops import extension_error, gemm_config, launch_config_error
+from vllm_wna16_plugin.kernels.options import DEFAULT_OPTIONS
 from vllm_wna16_plugin.ops import make_problem
 from vllm_wna16_plugin.scheme import CHANNELWISE
 
@@ -111,16 +112,21 @@ def test_every_config_of_the_module_is_accepted_by_the_kernel(gs, bits):
     assert checked > 500
 
 
-def test_block_n_is_halved_for_the_grid_only_while_warps_keep_their_k_steps(monkeypatch):
+def test_block_n_is_halved_for_the_grid_only_while_warps_keep_their_k_steps():
     from vllm_wna16_plugin.kernels import cuda_ops
+    from vllm_wna16_plugin.kernels.options import PLAN_DEVICES, KernelOptions
 
     # Qwen3-30B-A3B GEMM1 at M=1 (8 experts, I=768 gated, K=2048: 16 K steps): 48 blocks at BLOCK_SIZE_N 128.
     # Halving to 64 leaves each warp 8 steps (4 two-tile units, K split in 2); 32 would leave 4.
     assert cuda_ops.warp_k_steps(2048, 4, 1, 64, gated=True) == 8
     assert cuda_ops.warp_k_steps(2048, 4, 1, 32, gated=True) == 4
     assert cuda_ops.gemm_config(1, 8, 128, 2048, 768, 16, 4, gated=True).block_size_n == 64
-    monkeypatch.setattr(cuda_ops, "MIN_WARP_STEPS", 0)  # the grid alone: down to 16 (384 blocks >= 264)
-    assert cuda_ops.gemm_config(1, 8, 128, 2048, 768, 16, 4, gated=True).block_size_n == 16
+    grid_only = KernelOptions(cuda_min_warp_steps=0)  # the grid alone: down to 16 (384 blocks >= 264)
+    h200 = PLAN_DEVICES["sm90"]
+    assert cuda_ops.gemm_config(1, 8, 128, 2048, 768, 16, 4, True, h200, grid_only).block_size_n == 16
+    # the grid target is per SM: a GPU of 40 SMs stops halving one step earlier (192 blocks >= 4 * 40)
+    small = dataclasses.replace(h200, sm_count=40)
+    assert cuda_ops.gemm_config(1, 8, 128, 2048, 768, 16, 4, True, small, grid_only).block_size_n == 32
     # blocks of more than 8 tokens take one tile per warp; a block of 16-column tiles without gating
     assert cuda_ops.warp_k_steps(14336, 4, 16, 128, gated=False) == 112  # 8 tiles, one per warp
     assert cuda_ops.warp_k_steps(14336, 4, 8, 128, gated=False) == 56  # 4 two-tile units, K split in 2
@@ -129,14 +135,15 @@ def test_block_n_is_halved_for_the_grid_only_while_warps_keep_their_k_steps(monk
     assert cuda_ops.warp_k_steps(704, 4, 8, 128, gated=False) == 4
 
 
-def test_layer_aligns_to_blocks_of_at_most_eight_tokens(monkeypatch):
+def test_layer_aligns_to_blocks_of_at_most_eight_tokens():
     from vllm_wna16_plugin.kernels import cuda_ops
+    from vllm_wna16_plugin.kernels.options import PLAN_DEVICES, KernelOptions
 
     # blocks of <= 8 tokens run the two-tile warps; vLLM's own rule would give 16 from M=16
     for m in (1, 4, 8, 16, 64, 512):
         assert cuda_ops.gemm_config(m, 2, 8, 4096, 14336, 32, 4, gated=True).block_size_m == min(m, 8)
-    monkeypatch.setattr(cuda_ops, "MAX_BLOCK_M", 16)  # the bench's other form: vLLM's rule
-    assert cuda_ops.gemm_config(64, 2, 8, 4096, 14336, 32, 4, gated=True).block_size_m == 16
+    vllm_rule = KernelOptions(cuda_max_block_m=16)  # the bench's other form: vLLM's rule
+    assert cuda_ops.gemm_config(64, 2, 8, 4096, 14336, 32, 4, True, PLAN_DEVICES["sm90"], vllm_rule).block_size_m == 16
 
 
 @needs_extension
@@ -185,6 +192,27 @@ def _problem(platform="cuda", sm=90, gs=32, bits=4, H=2048, I=512, explicit=Fals
 def test_mma_kernel_takes_power_of_two_chunks_per_group(K, G, bits, fits):
     # the mma kernel finds a chunk's scale group by a shift; other shapes go to the gemv kernel
     assert torch.ops.wna16_plus.mma_kernel_fits(K, G, bits) is fits
+    from vllm_wna16_plugin.kernels import cuda_ops
+
+    assert cuda_ops.mma_kernel_fits(K, G, bits) is fits  # the launch plan's GPU-blind mirror
+
+
+@needs_extension
+def test_python_mirror_of_the_mma_rule_agrees_with_the_compiled_one():
+    # the launch plan decides the fused activation and the stream kernel with cuda_ops.mma_kernel_fits
+    # (no extension needed); the layer launches what the compiled rule allows: the two must never differ
+    from vllm_wna16_plugin.kernels import cuda_ops
+
+    checked = 0
+    for bits in (4, 8):
+        for k in range(8, 4097, 8):
+            for g in {1, 2, 3, 4, 6, 8, 16, 24, 32, 64, 128, k // 32 or 1, k // 64 or 1, k // 128 or 1}:
+                if k % g:
+                    continue
+                want = torch.ops.wna16_plus.mma_kernel_fits(k, g, bits)
+                assert cuda_ops.mma_kernel_fits(k, g, bits) is want, (k, g, bits)
+                checked += 1
+    assert checked > 5000
 
 
 def test_cuda_backend_rules():
@@ -330,7 +358,7 @@ BENCH_SHAPES = {
 
 
 def test_the_stream_rule_keeps_the_faster_form_of_its_measured_run():
-    # cuda_ops picks the stream kernel by GEMM1's expected pairs per warp (STREAM_MIN_PAIRS_PER_WARP). The run
+    # cuda_ops picks the stream kernel by GEMM1's expected pairs per warp (KernelOptions.cuda_stream_min_pairs_per_warp). The run
     # it was read from timed both forms at every point (H200, 132 SMs): plugin-cuda ran the stream kernel for
     # every decode block, plugin-cuda-tiles the tiled one. The rule's pick is within 5% of the faster there.
     from vllm_wna16_plugin.kernels import cuda_ops
@@ -342,11 +370,12 @@ def test_the_stream_rule_keeps_the_faster_form_of_its_measured_run():
             if r["provider"] in ("plugin-cuda", "plugin-cuda-tiles") and r["median_us"]:
                 times.setdefault((r["shape"], int(r["M"])), {})[r["provider"]] = float(r["median_us"])
     assert len(times) == 42
+    minimum = DEFAULT_OPTIONS.cuda_stream_min_pairs_per_warp
     for (shape, m), t in sorted(times.items()):
         E, top_k, H, I = BENCH_SHAPES[shape]  # noqa: N806, E741
         bm = cuda_ops.gemm_config(m, top_k, E, H, I, 16, 4, gated=True).block_size_m
         per_warp = cuda_ops.stream_pairs_per_warp(m, top_k, E, H, I, 4, True, bm, sms=132)
-        picked = t["plugin-cuda"] if per_warp >= cuda_ops.STREAM_MIN_PAIRS_PER_WARP else t["plugin-cuda-tiles"]
+        picked = t["plugin-cuda"] if per_warp >= minimum else t["plugin-cuda-tiles"]
         assert picked <= 1.05 * min(t.values()), f"{shape} M={m}: {per_warp:.1f} pairs per warp, {t}"
 
 

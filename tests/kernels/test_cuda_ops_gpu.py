@@ -7,6 +7,7 @@ The data is fresh random data for each case.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ import torch
 
 from tests.kernels.conftest import assert_close_scaled, make_moe_problem, quantized_experts
 from vllm_wna16_plugin.kernels.cuda_ops import extension_error, fused_moe_wna16_cuda, invoke_moe_wna16_gemm
+from vllm_wna16_plugin.kernels.options import KernelOptions
 from vllm_wna16_plugin.ops import fused_moe_wna16
 from vllm_wna16_plugin.reference import dequantize_ref, fused_moe_wna16_ref
 
@@ -64,34 +66,34 @@ CASES = [
 ]
 
 
-def _layer_kernel(kernel, monkeypatch):
-    """The layer's `kernel` argument for a test's kernel id: "stream" / "tiles" are "auto" with the tensor-core
-    kernel's persistent / tiled form for every decode block (cuda_ops.STREAM_MIN_PAIRS_PER_WARP 0 / STREAM off)."""
-    from vllm_wna16_plugin.kernels import cuda_ops
-
-    monkeypatch.setattr(cuda_ops, "STREAM", kernel != "tiles")
+def _layer_options(kernel: str) -> KernelOptions:
+    """The layer's kernel options for a test's kernel id: "stream" / "tiles" are "auto" with the tensor-core
+    kernel's persistent / tiled form for every decode block (cuda_stream_min_pairs_per_warp 0 / cuda_stream
+    off); "auto" / "gemv" / "mma" are cuda_kernel."""
     if kernel == "stream":
-        monkeypatch.setattr(cuda_ops, "STREAM_MIN_PAIRS_PER_WARP", 0)
-    return "auto" if kernel in ("stream", "tiles") else kernel
+        return KernelOptions(cuda_stream_min_pairs_per_warp=0)
+    if kernel == "tiles":
+        return KernelOptions(cuda_stream=False)
+    return KernelOptions(cuda_kernel=kernel)
 
 
 # "auto": the tensor-core kernel wherever rows split into 16-byte chunks inside a group (K=176 and K=200
 # do not: their GEMM falls back to the CUDA-core kernel), its persistent or tiled form by the work per warp;
-# "stream" / "tiles": that form for every block of <= 8 pairs (every case: cuda_ops.MAX_BLOCK_M);
+# "stream" / "tiles": that form for every block of <= 8 pairs (every case: KernelOptions.cuda_max_block_m);
 # "gemv": the CUDA-core kernel everywhere
 @pytest.mark.parametrize("kernel", ["auto", "stream", "tiles", "gemv"])
 @pytest.mark.parametrize("M, H, I, E, top_k, bits, gs1, gs2, zp, dtype", CASES)
-def test_cuda_layer_matches_reference(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype, kernel, monkeypatch):  # noqa: E741
+def test_cuda_layer_matches_reference(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype, kernel):  # noqa: E741
     p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype, seed=M)
     args, kw = _cuda(p)
-    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), kernel=_layer_kernel(kernel, monkeypatch))
+    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), options=_layer_options(kernel))
     ref = fused_moe_wna16_ref(*args, **kw)
     assert_close_scaled(out.cpu(), ref.cpu(), dtype, f"cuda layer ({kernel})")
 
 
 @pytest.mark.parametrize("kernel", ["stream", "tiles", "gemv"])
 @pytest.mark.parametrize("M, H, I, E, top_k, bits, gs1, gs2, zp, dtype", CASES[:9])
-def test_group_major_scales_and_zero_points(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype, kernel, monkeypatch):  # noqa: E741
+def test_group_major_scales_and_zero_points(M, H, I, E, top_k, bits, gs1, gs2, zp, dtype, kernel):  # noqa: E741
     # the layout the cuda backend prepares (cuda_ops.group_major): same values, each group's rows adjacent
     from vllm_wna16_plugin.kernels.cuda_ops import group_major
 
@@ -100,33 +102,31 @@ def test_group_major_scales_and_zero_points(M, H, I, E, top_k, bits, gs1, gs2, z
     ref = fused_moe_wna16_ref(*args, **kw)
     args[3], args[4] = group_major(args[3]), group_major(args[4])
     kw.update(w13_qzeros=group_major(kw.get("w13_qzeros")), w2_qzeros=group_major(kw.get("w2_qzeros")))
-    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), kernel=_layer_kernel(kernel, monkeypatch))
+    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), options=_layer_options(kernel))
     assert_close_scaled(out.cpu(), ref.cpu(), dtype, f"cuda layer, group-major tables ({kernel})")
 
 
 # the activation fused in the tensor-core kernel (both forms), or apart
 @pytest.mark.parametrize("kernel", ["stream", "tiles", "gemv"])
-def test_gelu_gated_activation(kernel, monkeypatch):
+def test_gelu_gated_activation(kernel):
     p = make_moe_problem(M=5, H=1024, I=384, E=8, top_k=2, bits=4, gs1=64, zp=True, seed=21)
     args, kw = _cuda(p)
-    out = fused_moe_wna16_cuda(
-        *args, **kw, align_fn=_align(), activation="gelu", kernel=_layer_kernel(kernel, monkeypatch)
-    )
+    out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), activation="gelu", options=_layer_options(kernel))
     ref = fused_moe_wna16_ref(*args, **kw, activation="gelu")
     assert_close_scaled(out.cpu(), ref.cpu(), BF16, f"gelu ({kernel})")
 
 
 @pytest.mark.parametrize("kernel", ["stream", "tiles"])
-def test_expert_map_and_router_weight_on_input(kernel, monkeypatch):
+def test_expert_map_and_router_weight_on_input(kernel):
     p = make_moe_problem(M=6, H=512, I=128, E=4, top_k=1, bits=4, gs1=32, zp=True, num_global_experts=8, seed=3)
     args, kw = _cuda(p)
-    kw["kernel"] = _layer_kernel(kernel, monkeypatch)
+    kw["options"] = _layer_options(kernel)
     expert_map = torch.full((8,), -1, dtype=torch.int32, device="cuda")
     expert_map[torch.tensor([1, 2, 5, 6])] = torch.arange(4, dtype=torch.int32, device="cuda")
     for on_input in (False, True):
         out = fused_moe_wna16_cuda(*args, **kw, align_fn=_align(), expert_map=expert_map,
                                    apply_router_weight_on_input=on_input)  # fmt: skip
-        ref = fused_moe_wna16_ref(*args, **{k: v for k, v in kw.items() if k != "kernel"}, expert_map=expert_map,
+        ref = fused_moe_wna16_ref(*args, **{k: v for k, v in kw.items() if k != "options"}, expert_map=expert_map,
                                   apply_router_weight_on_input=on_input)  # fmt: skip
         assert_close_scaled(out.cpu(), ref.cpu(), BF16, f"expert_map, weight on input={on_input}")
 
@@ -274,14 +274,14 @@ def test_mma_kernel_is_refused_where_chunks_straddle():
 
 
 @pytest.mark.parametrize("kernel", ["stream", "tiles"])
-def test_decode_step_captures_in_a_cuda_graph(kernel, monkeypatch):
+def test_decode_step_captures_in_a_cuda_graph(kernel):
     p = make_moe_problem(M=4, H=2048, I=512, E=32, top_k=8, bits=4, gs1=32, seed=11)
     args, kw = _cuda(p)
-    align, kernel = _align(), _layer_kernel(kernel, monkeypatch)
-    fused_moe_wna16_cuda(*args, **kw, align_fn=align, kernel=kernel)  # warm up
+    align, options = _align(), _layer_options(kernel)
+    fused_moe_wna16_cuda(*args, **kw, align_fn=align, options=options)  # warm up
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe_wna16_cuda(*args, **kw, align_fn=align, kernel=kernel)
+        out = fused_moe_wna16_cuda(*args, **kw, align_fn=align, options=options)
     args[0].copy_(torch.randn_like(args[0]))
     graph.replay()
     torch.cuda.synchronize()
@@ -289,28 +289,25 @@ def test_decode_step_captures_in_a_cuda_graph(kernel, monkeypatch):
 
 
 # A chain of layer calls, each one's output the next one's input: every kernel of a call reads what the one
-# before it wrote (the alignment's ids aside), so a programmatic launch (cuda_ops.PROGRAMMATIC_LAUNCH) that
+# before it wrote (the alignment's ids aside), so a programmatic launch (KernelOptions.programmatic_launch) that
 # read before its wait would see stale data. Eager and captured in a CUDA graph, each layer matches the
 # reference on its input, and the bits equal those of plain launches.
 @pytest.mark.parametrize("kernel", ["stream", "tiles", "gemv"])
-def test_programmatic_launches_chain_layers_as_plain_launches_do(kernel, monkeypatch):
-    from vllm_wna16_plugin.kernels import cuda_ops
-
+def test_programmatic_launches_chain_layers_as_plain_launches_do(kernel):
     p = make_moe_problem(M=3, H=1024, I=512, E=8, top_k=2, bits=4, gs1=128, zp=True, seed=31)
     args, kw = _cuda(p)
-    align, kernel = _align(), _layer_kernel(kernel, monkeypatch)
+    align, options = _align(), _layer_options(kernel)
+    assert options.programmatic_launch  # the default; the H200 is sm90, so the launches are programmatic
 
-    def chain(x, layers=4):
+    def chain(x, layers=4, options=options):
         outs = []
         for _ in range(layers):
-            x = fused_moe_wna16_cuda(x, *args[1:], **kw, align_fn=align, kernel=kernel)
+            x = fused_moe_wna16_cuda(x, *args[1:], **kw, align_fn=align, options=options)
             outs.append(x)
         return outs
 
     x0 = args[0].clone()
-    monkeypatch.setattr(cuda_ops, "PROGRAMMATIC_LAUNCH", False)
-    plain = [t.clone() for t in chain(x0)]
-    monkeypatch.setattr(cuda_ops, "PROGRAMMATIC_LAUNCH", True)
+    plain = [t.clone() for t in chain(x0, options=dataclasses.replace(options, programmatic_launch=False))]
     eager = chain(x0)
     torch.cuda.synchronize()
     for i, (e, want) in enumerate(zip(eager, plain, strict=True)):
@@ -347,14 +344,14 @@ SANITIZED = textwrap.dedent(
     import torch
     from tests.kernels.conftest import make_moe_problem
     from vllm_wna16_plugin import _vllm
-    from vllm_wna16_plugin.kernels import cuda_ops
     from vllm_wna16_plugin.kernels.cuda_ops import fused_moe_wna16_cuda
-    cuda_ops.STREAM_MIN_PAIRS_PER_WARP = 0  # "auto" runs the stream kernel
+    from vllm_wna16_plugin.kernels.options import KernelOptions
     p = make_moe_problem(M=3, H=1344, I=256, E=8, top_k=2, bits=4, gs1=32, zp=True, seed=1)
     args = [t.cuda() for t in p.args()]
     kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in p.kwargs().items()}
     for kernel in ("auto", "mma", "gemv"):  # auto: the stream kernel (blocks of <= 8 pairs), the own alignment
-        fused_moe_wna16_cuda(*args, **kw, align_fn=_vllm.moe_align_block_size_fn(), kernel=kernel)
+        options = KernelOptions(cuda_kernel=kernel, cuda_stream_min_pairs_per_warp=0)
+        fused_moe_wna16_cuda(*args, **kw, align_fn=_vllm.moe_align_block_size_fn(), options=options)
     torch.cuda.synchronize()
     """
 )

@@ -12,7 +12,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from vllm_wna16_plugin.kernels.align import moe_align_block_size_torch  # noqa: E402
-from vllm_wna16_plugin.kernels.triton import fused_moe  # noqa: E402
+from vllm_wna16_plugin.kernels.options import KernelOptions  # noqa: E402
+from vllm_wna16_plugin.kernels.triton import configs, fused_moe  # noqa: E402
 from vllm_wna16_plugin.kernels.triton.configs import (  # noqa: E402
     TritonMoEConfig,
     config_file_name,
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.interpreter
 BF16, FP16 = torch.bfloat16, torch.float16
 Cfg = TritonMoEConfig
 POINTERS = TDDecision(False, False, "test: pointers")
+WORDS = KernelOptions(dot_nibbles="words")
 
 
 def run_both(p, *, reference_kwargs=None, **kwargs):
@@ -99,10 +101,9 @@ CASES = [
 
 
 @pytest.fixture(params=["auto", "split"])
-def dot_nibbles(request, monkeypatch):
+def dot_nibbles(request):
     """The default policy (words on K tiles >= 128, interleave on narrower ones) and the split form."""
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", request.param)
-    return request.param
+    return KernelOptions(dot_nibbles=request.param)
 
 
 @pytest.mark.parametrize("M,H,inter,E,top_k,bits,gs1,gs2,zp,dtype,config", CASES)
@@ -110,7 +111,7 @@ def test_pointer_path_matches_reference(
     M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, td_decisions, dot_nibbles
 ):
     p = make_moe_problem(M=M, H=H, inter=inter, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype)
-    out, ref = run_both(p, use_td=False, configs=config)
+    out, ref = run_both(p, use_td=False, configs=config, options=dot_nibbles)
     assert_close_scaled(out, ref, dtype, "pointer path")
     assert td_decisions and not any(d.use_td_b or d.use_gather for d in td_decisions)
 
@@ -134,10 +135,10 @@ def test_td_path_matches_reference_and_pointer_path(
     p = make_moe_problem(
         M=M, H=H, inter=inter, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype, seed=1
     )
-    out_td, ref = run_both(p, use_td=True, configs=config)
+    out_td, ref = run_both(p, use_td=True, configs=config, options=dot_nibbles)
     assert all(d.use_td_b and d.use_gather for d in td_decisions), td_decisions  # the premise: TD really ran
     assert_close_scaled(out_td, ref, dtype, "TD path")
-    out_ptr = fused_moe_wna16_triton(*p.args(), **p.kwargs(), use_td=False, configs=config)
+    out_ptr = fused_moe_wna16_triton(*p.args(), **p.kwargs(), use_td=False, configs=config, options=dot_nibbles)
     # same bytes, same arithmetic: only the way B (and A) reach the registers differs
     torch.testing.assert_close(out_td, out_ptr, atol=0, rtol=0)
 
@@ -373,16 +374,13 @@ PER_PAIR_CASES = [
 
 
 @pytest.fixture(params=["fold", "tile"])
-def pair_step_math(request, monkeypatch):
-    """Both ways the per-pair kernel multiplies a K step (fused_moe.PAIR_STEP_MATH)."""
-    monkeypatch.setattr(fused_moe, "PAIR_STEP_MATH", request.param)
-    return request.param
+def pair_step_math(request):
+    """Both ways the per-pair kernel multiplies a K step (KernelOptions.pair_step_math)."""
+    return KernelOptions(pair_step_math=request.param)
 
 
 @pytest.mark.parametrize("M,H,inter,E,top_k,bits,gs1,gs2,zp,dtype,config", PER_PAIR_CASES)
-def test_per_pair_kernel_matches_reference(
-    M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, pair_step_math, monkeypatch
-):
+def test_per_pair_kernel_matches_reference(M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, pair_step_math):
     # BLOCK_SIZE_M=1 needs no alignment at all: a failing align_fn proves it is never called
     def no_align(*args, **kwargs):
         raise AssertionError("per-pair GEMMs must not align")
@@ -391,7 +389,7 @@ def test_per_pair_kernel_matches_reference(
         M=M, H=H, inter=inter, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype, seed=20
     )
     out = torch.full((M, H), float("nan"), dtype=dtype)
-    got, ref = run_both(p, use_td=False, configs=config, align_fn=no_align, out=out)
+    got, ref = run_both(p, use_td=False, configs=config, align_fn=no_align, out=out, options=pair_step_math)
     assert_close_scaled(got, ref, dtype, "per pair")
 
 
@@ -425,7 +423,12 @@ def test_per_pair_expert_map_and_td(use_td, td_decisions, pair_step_math):
     expert_map[torch.tensor([0, 2, 5, 7])] = torch.arange(4)
     assert (expert_map[p.topk_ids.long()] == -1).any() and (expert_map[p.topk_ids.long()] >= 0).any()
     out, ref = run_both(
-        p, use_td=use_td, expert_map=expert_map, configs=Cfg(1, 32, 32), reference_kwargs=dict(expert_map=expert_map)
+        p,
+        use_td=use_td,
+        expert_map=expert_map,
+        configs=Cfg(1, 32, 32),
+        reference_kwargs=dict(expert_map=expert_map),
+        options=pair_step_math,
     )
     assert_close_scaled(out, ref, BF16, "per-pair expert_map")
     # GEMM1's A has M=4 rows and GEMM2's 12: both may take TD for B; a per-pair GEMM never gathers A
@@ -452,11 +455,11 @@ def test_per_pair_expert_map_and_td(use_td, td_decisions, pair_step_math):
         pytest.param(16, "split", id="dot-split"),
     ],
 )
-def test_one_hot_probe_scale_vectors_every_group_size(bits, zp, gs, K, bk, dtype, bm, step_math, monkeypatch):
+def test_one_hot_probe_scale_vectors_every_group_size(bits, zp, gs, K, bk, dtype, bm, step_math):
     # x = eye(K): output row k is column k of dequant(W_e) exactly, so each group's scale/zero
     # vector must land on its own K columns, for groups smaller, equal and larger than the tile
     E, N = 2, 32
-    monkeypatch.setattr(fused_moe, "PAIR_STEP_MATH" if bm == 1 else "DOT_NIBBLES", step_math)
+    options = KernelOptions(pair_step_math=step_math) if bm == 1 else KernelOptions(dot_nibbles=step_math)
     kw = quantized_experts(E, N, K, bits, gs, zp, dtype, torch.Generator().manual_seed(23))
     ids = torch.full((K, 1), 1, dtype=torch.int32)
     c = torch.full((K, N), float("nan"), dtype=dtype)
@@ -464,6 +467,7 @@ def test_one_hot_probe_scale_vectors_every_group_size(bits, zp, gs, K, bk, dtype
     invoke_wna16_gemm(
         torch.eye(K, dtype=dtype), kw.qweight, kw.scales, kw.qzeros, c, None, *aligned,
         bits=bits, top_k=1, mul_routed_weight=False, config=Cfg(bm, 32, bk), td=POINTERS, topk_ids=ids.reshape(-1),
+        options=options,
     )  # fmt: skip
     want = dequantize_ref(kw.qweight, kw.scales, kw.qzeros, bits)[1].to(dtype).T
     assert torch.equal(c, want), (c.float() - want.float()).abs().max()
@@ -478,18 +482,17 @@ def test_one_hot_probe_scale_vectors_every_group_size(bits, zp, gs, K, bk, dtype
         pytest.param(True, -1, 384, 256, BF16, id="channelwise-K384-tail128"),
     ],
 )
-def test_word_nibbles_one_hot_probe(zp, gs, K, bk, dtype, monkeypatch):
-    """DOT_NIBBLES = "words": x = eye(K) reads back every column of dequant(W_e) exactly, so each of
+def test_word_nibbles_one_hot_probe(zp, gs, K, bk, dtype):
+    """dot_nibbles="words": x = eye(K) reads back every column of dequant(W_e) exactly, so each of
     the eight (word, nibble) tiles must land on its own k = 8i + 4h + s, with its group's scale."""
     E, N = 2, 32
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
     kw = quantized_experts(E, N, K, 4, gs, zp, dtype, torch.Generator().manual_seed(29))
-    assert fused_moe._use_word_nibbles(4, Cfg(16, 32, bk), K, kw.qweight, POINTERS)
+    assert configs._use_word_nibbles(4, Cfg(16, 32, bk), K, fused_moe._rows_on_words(kw.qweight), False)
     ids = torch.full((K, 1), 1, dtype=torch.int32)
     c = torch.full((K, N), float("nan"), dtype=dtype)
     invoke_wna16_gemm(
         torch.eye(K, dtype=dtype), kw.qweight, kw.scales, kw.qzeros, c, None, *moe_align_block_size_torch(ids, 16, E),
-        bits=4, top_k=1, mul_routed_weight=False, config=Cfg(16, 32, bk), td=POINTERS,
+        bits=4, top_k=1, mul_routed_weight=False, config=Cfg(16, 32, bk), td=POINTERS, options=WORDS,
     )  # fmt: skip
     want = dequantize_ref(kw.qweight, kw.scales, kw.qzeros, 4)[1].to(dtype).T
     assert torch.equal(c, want), (c.float() - want.float()).abs().max()
@@ -503,31 +506,29 @@ def test_word_nibbles_one_hot_probe(zp, gs, K, bk, dtype, monkeypatch):
         pytest.param(1344, -1, FP16, id="channelwise-K1344-fp16"),  # fp16 magic 1024, a tail
     ],
 )
-def test_word_nibbles_whole_moe_matches_reference(H, gs, dtype, monkeypatch):
+def test_word_nibbles_whole_moe_matches_reference(H, gs, dtype):
     """Both GEMMs in the words form, with zero points."""
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
     p = make_moe_problem(M=3, H=H, inter=128, E=4, top_k=2, bits=4, gs1=gs, gs2=gs, zp=True, dtype=dtype, seed=31)
-    out, ref = run_both(p, configs=Cfg(16, 32, 128), use_td=False)
+    out, ref = run_both(p, configs=Cfg(16, 32, 128), use_td=False, options=WORDS)
     assert_close_scaled(out, ref, dtype, f"words form, K={H}, gs{gs}")
 
 
-def test_word_nibbles_only_where_the_tile_takes_them(monkeypatch):
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "words")
-    q = torch.zeros(2, 32, 64, dtype=torch.uint8)
-    use = fused_moe._use_word_nibbles
-    assert use(4, Cfg(16, 32, 128), 128, q, POINTERS)
-    assert not use(8, Cfg(16, 32, 128), 128, q, POINTERS)  # int8: no nibbles
-    assert not use(4, Cfg(16, 32, 64), 128, q, POINTERS)  # dots of K/8 = 8 < 16
-    assert not use(4, Cfg(16, 32, 128), 124, q, POINTERS)  # rows end mid-word
-    assert not use(4, Cfg(16, 32, 128), 128, q, TDDecision(True, False, "test: TD"))  # B by descriptor
-    assert not use(4, Cfg(16, 32, 128), 128, torch.zeros(2, 32, 65, dtype=torch.uint8)[..., 1:], POINTERS)
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", "split")
-    assert not use(4, Cfg(16, 32, 128), 128, q, POINTERS)
+def test_word_nibbles_only_where_the_tile_takes_them():
+    use = configs._use_word_nibbles  # (bits, config, K, rows_on_words, use_td_b)
+    assert use(4, Cfg(16, 32, 128), 128, True, False)
+    assert not use(8, Cfg(16, 32, 128), 128, True, False)  # int8: no nibbles
+    assert not use(4, Cfg(16, 32, 64), 128, True, False)  # dots of K/8 = 8 < 16
+    assert not use(4, Cfg(16, 32, 128), 124, True, False)  # rows end mid-word
+    assert not use(4, Cfg(16, 32, 128), 128, True, True)  # B by descriptor
+    assert not use(4, Cfg(16, 32, 128), 128, False, False)  # rows off 32-bit words
+    # the tensor's own test: a row start one byte past a word
+    assert fused_moe._rows_on_words(torch.zeros(2, 32, 64, dtype=torch.uint8))
+    assert not fused_moe._rows_on_words(torch.zeros(2, 32, 65, dtype=torch.uint8)[..., 1:])
     # tiles whose A or accumulator passes 32 elements per lane: the eight K/8 dots spill
-    assert use(4, Cfg(16, 128, 256), 256, q, POINTERS, "words")
-    assert not use(4, Cfg(32, 128, 256), 256, q, POINTERS, "words")  # A: 32 x 256 over 128 lanes
-    assert not use(4, Cfg(32, 256, 128), 256, q, POINTERS, "words")  # accumulator: 32 x 256
-    assert use(4, Cfg(32, 128, 256, num_warps=8), 256, q, POINTERS, "words")  # 256 lanes
+    assert use(4, Cfg(16, 128, 256), 256, True, False)
+    assert not use(4, Cfg(32, 128, 256), 256, True, False)  # A: 32 x 256 over 128 lanes
+    assert not use(4, Cfg(32, 256, 128), 256, True, False)  # accumulator: 32 x 256
+    assert use(4, Cfg(32, 128, 256, num_warps=8), 256, True, False)  # 256 lanes
 
 
 @pytest.mark.parametrize(
@@ -550,10 +551,15 @@ def test_word_nibbles_only_where_the_tile_takes_them(monkeypatch):
         pytest.param("auto", 8, Cfg(16, 128, 256, nibbles="split"), POINTERS, "interleave", id="tuned-int8-plain"),
     ],
 )
-def test_dot_form_policy(nibbles, bits, cfg, td, want, monkeypatch):
-    monkeypatch.setattr(fused_moe, "DOT_NIBBLES", nibbles)
-    q = torch.zeros(2, 32, 128 * bits // 8, dtype=torch.uint8)
-    assert fused_moe._dot_form(bits, cfg, 256, q, td) == want
+def test_dot_form_policy(nibbles, bits, cfg, td, want):
+    assert configs.dot_form(bits, cfg, 256, True, td.use_td_b, nibbles) == want
+
+
+def test_pair_step_policy():
+    assert configs.pair_step(4, True, "fold") == "fold"
+    assert configs.pair_step(4, False, "fold") == "tile"  # the folded step reads int4 rows as words
+    assert configs.pair_step(8, False, "fold") == "fold"
+    assert configs.pair_step(4, True, "tile") == "tile"
 
 
 # ---------------------------------------------------------------- activation and top-k sum kernels
@@ -789,9 +795,10 @@ kernel = fused_moe._fused_moe_wna16_pair_kernel if pair else fused_moe._fused_mo
 K, N, gs, bk = (2048, 1536, 32, 256) if even_k else (1344, 1536, 32, 128)
 bk = int(sys.argv[7]) if len(sys.argv) > 7 and int(sys.argv[7]) else bk  # a K tile wider than the default
 # the form: per pair 1 = the folded step; tl.dot 1 = split nibbles, 2 = word nibbles; else the module
-# default (per pair: PAIR_STEP_MATH; tl.dot: "auto" gives words on these K tiles of >= 128)
+# default (per pair: KernelOptions().pair_step_math; tl.dot: "auto" gives words on these K tiles of >= 128)
+from vllm_wna16_plugin.kernels.options import DEFAULT_OPTIONS
 forms = {"split": 1, "words": 2, "auto": 2}
-default_form = (fused_moe.PAIR_STEP_MATH == "fold") if pair else forms.get(fused_moe.DOT_NIBBLES, 0)
+default_form = (DEFAULT_OPTIONS.pair_step_math == "fold") if pair else forms.get(DEFAULT_OPTIONS.dot_nibbles, 0)
 form = int(sys.argv[8]) if len(sys.argv) > 8 else int(default_form)
 bm, bn, warps = (int(v) for v in sys.argv[9:12]) if len(sys.argv) > 11 else (16, 64, 4)
 fold = bool(form)
@@ -918,9 +925,9 @@ def test_word_nibble_dot_kernel_compiles_for_sm90(even_k):
     ],
 )
 def test_word_nibble_tiles_within_the_register_bound_do_not_spill(bm, bn, bk, warps):
-    # _word_tile_fits is a rule fitted to the sm90 SASS; this checks it against ptxas on both sides:
+    # word_tile_fits is a rule fitted to the sm90 SASS; this checks it against ptxas on both sides:
     # a tile it takes compiles without register spills, and the one it refuses does spill
-    fits = fused_moe._word_tile_fits(Cfg(bm, bn, bk, num_warps=warps))
+    fits = configs.word_tile_fits(Cfg(bm, bn, bk, num_warps=warps))
     tags = _compile_for_gpu(90, 4, 0, 0, 1, 0, bk, 2, bm, bn, warps)
     local = int(next(t for t in tags if t.startswith("LOCAL=")).split("=")[1])
     assert (local <= 4) == fits, (fits, tags)

@@ -360,3 +360,21 @@ def test_doctor_plans_act_order_at_tp_on_reference_and_without_tp_on_triton(tmp_
     at_tp2 = plan(path, tp=2, device="sm90")
     assert "backend on sm90 (auto): reference" in at_tp2
     assert "triton: rejected: act order (desc_act with a non-trivial g_idx) cannot be sorted: the down" in at_tp2
+
+
+def test_doctor_prints_the_launch_plan_of_every_batch_size(gs32_k2048, tmp_path):
+    # doctor reads config.json alone: the small checkpoint's config with Qwen3-30B-A3B's MoE dimensions, a
+    # shape whose crossover ships for the H200 (crossover/NVIDIA_H200.json: cuda at M 8-64)
+    cfg = json.loads((gs32_k2048 / "config.json").read_text())
+    cfg.update(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    cfg["quantization_config"]["group_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    text = plan(tmp_path, tp=1, device="sm90")
+    assert "launch plan on NVIDIA H200 (sm90, 132 SMs) (auto), per batch size M (tokens):" in text
+    runs = dict(re.findall(r"^  M=(\d+): (\w+)", text, re.M))
+    assert set(map(int, runs)) == {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096}
+    assert {m for m, b in runs.items() if b == "cuda"} == {"8", "16", "32", "64"}
+    assert "why: M=128 outside cuda's measured ranges [8, 64]" in text
+    assert "gate/up cuda stream" in text and "tuned E=128,N=1536,K=2048,group_size=128" in text
+    # the demo's short plan leaves it out
+    assert "launch plan on" not in plan(tmp_path, tp=1, device="sm90", launch_configs=False)

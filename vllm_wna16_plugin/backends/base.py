@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vllm_wna16_plugin.kernels.options import DEFAULT_OPTIONS, PLAN_DEVICES, DeviceSpec, KernelOptions
 from vllm_wna16_plugin.packing import permute_k, permute_n, sort_groups
 from vllm_wna16_plugin.scheme import WNA16Scheme
 
@@ -19,15 +21,13 @@ class RunOptions:
     explicit: the user named the backend; it may then run where auto would not take it (Triton's
     interpreter on CPU, `cuda` outside its measured crossover). plan_only: judge the device described
     (doctor, a test's sm90 problem), not this machine: no imports or extension checks. device_name: the
-    GPU whose crossover table applies (a plan names one; else this machine's). use_td: the Triton
-    kernel's tensor descriptors (None: td_gate decides). cuda_kernel: "auto", or "gemv" for the CUDA-core
-    kernel (benchmarks)."""
+    GPU whose crossover table applies (a plan names one; else this machine's). kernel: the kernels'
+    switches (kernels.options.KernelOptions: tensor descriptors, int4 dot forms, CUDA kernel forms)."""
 
     explicit: bool = False
     plan_only: bool = False
     device_name: str | None = None
-    use_td: bool | None = None
-    cuda_kernel: str = "auto"
+    kernel: KernelOptions = DEFAULT_OPTIONS
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,25 @@ class MoEProblem:
             f"H={self.hidden}, I={self.intermediate}, {str(self.act_dtype).removeprefix('torch.')}, "
             f"{self.platform}{'' if self.sm is None else f' sm{self.sm}'}"
         )
+
+
+def layer_device(problem: MoEProblem) -> DeviceSpec:
+    """The device a layer's launch plans are for: this machine's GPU, named as options.device_name says when
+    set; with options.plan_only the device the problem describes (an sm90 problem is planned as the H200
+    whose tables ship, see kernels.options.PLAN_DEVICES); on CPU Triton's interpreter when TRITON_INTERPRET=1."""
+    opts = problem.options
+    if problem.platform == "cuda" and not opts.plan_only and torch.cuda.is_available():
+        device = DeviceSpec.of(torch.device("cuda"))
+    elif problem.platform == "cuda":
+        known = next((d for d in PLAN_DEVICES.values() if d.platform == "cuda" and d.sm == problem.sm), None)
+        device = known or DeviceSpec("cuda", problem.sm)
+    elif problem.platform == "cpu":
+        device = DeviceSpec.of(torch.device("cpu"))  # "interpreter" under TRITON_INTERPRET=1
+    else:
+        device = DeviceSpec(problem.platform, problem.sm)
+    if opts.device_name is not None and opts.device_name != device.name:
+        device = dataclasses.replace(device, name=opts.device_name)
+    return device
 
 
 @dataclass
@@ -181,7 +200,8 @@ class Backend:
     `incompatibility_reason` holds all of this backend's rules and returns None
     when it can run the problem, else a short reason; it must never raise.
     `prepare` turns the kernel layout into whatever the backend runs on (once,
-    after loading); `run` computes the layer.
+    after loading); `run` computes the layer for one batch (launch_plan.LayerRunner picks the backend
+    of each batch and hands it the batch's plan).
     """
 
     name: str = ""
@@ -202,5 +222,8 @@ class Backend:
         topk_ids: torch.Tensor,
         *,
         expert_map: torch.Tensor | None = None,
+        plan: Any = None,
     ) -> torch.Tensor:
+        """The layer for one batch; plan: the launch_plan.LaunchPlan of this batch size (what to launch),
+        or None to derive it inside the kernel's launcher."""
         raise NotImplementedError

@@ -3,8 +3,8 @@
 Its rules: an NVIDIA GPU, the extension built (setup.py), int4 or int8, group sizes the launch-config
 module takes (32/64/128) or channel-wise, K % 8 == 0, no act order, silu/gelu,
 and bf16 only from sm80. `auto` takes it only for a layer shape for which crossover.py's table has
-a winning range of batch sizes on this device. It then runs the batches inside those measured
-ranges and hands the others to the triton backend. The table comes from bench_moe.py
+a winning range of batch sizes on this device; the layer's launch plan (launch_plan.py) then runs the
+batches inside those measured ranges on it and the others on the triton backend. The table comes from bench_moe.py
 --write-crossover on a GPU (the H200's is shipped). An explicit choice (VLLM_WNA16_PLUS_BACKEND=cuda, or
 backend="cuda") always runs the CUDA kernel.
 """
@@ -12,22 +12,14 @@ backend="cuda") always runs the CUDA kernel.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
 from vllm_wna16_plugin import crossover
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_kwargs
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_device, layer_kwargs
 from vllm_wna16_plugin.block_config import cuda_group_reason
 
 CUDA_ACTIVATIONS = ("silu", "gelu")
-
-
-@dataclass
-class CudaState:
-    tensors: KernelTensors  # the layer's tensors (the triton backend runs batches outside cuda_m_ranges on them)
-    cuda_m_ranges: tuple[tuple[int, int], ...] | None  # None: an explicit choice, every batch on the CUDA kernel
-    cuda_tensors: KernelTensors | None = None  # the same weights with group-major scales / zero points
 
 
 def cuda_layout(tensors: KernelTensors) -> KernelTensors:
@@ -50,13 +42,9 @@ def layer_key(problem: MoEProblem) -> str:
     return crossover.layer_key(problem.num_experts, problem.hidden, problem.intermediate, gs, problem.scheme.bits)
 
 
-def device_name(problem: MoEProblem) -> str | None:
-    """The GPU's name (the crossover file's), or the one a plan names in options.device_name."""
-    if problem.options.device_name is not None:
-        return problem.options.device_name
-    if problem.platform == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return None
+def measured_ranges(problem: MoEProblem) -> tuple[tuple[int, int], ...]:
+    """The batch sizes at which `cuda` measured faster than `triton` for this layer on its device."""
+    return crossover.cuda_m_ranges(layer_key(problem), layer_device(problem).name)
 
 
 class CudaBackend(Backend):
@@ -82,7 +70,7 @@ class CudaBackend(Backend):
                 return f"{name} K={k} is not a multiple of 8"
             if gs != k and (reason := cuda_group_reason(name, gs, k)):  # channel-wise: any K % 8 == 0
                 return reason
-        if not problem.options.explicit and not crossover.cuda_m_ranges(layer_key(problem), device_name(problem)):
+        if not problem.options.explicit and not measured_ranges(problem):
             return (
                 "no measured crossover over triton for this shape on this device "
                 "(auto takes cuda only where bench_moe.py --write-crossover measured it faster)"
@@ -93,25 +81,21 @@ class CudaBackend(Backend):
 
         return extension_error()
 
-    def prepare(self, problem: MoEProblem, tensors: KernelTensors) -> CudaState:
-        ranges = None if problem.options.explicit else crossover.cuda_m_ranges(layer_key(problem), device_name(problem))
+    def prepare(self, problem: MoEProblem, tensors: KernelTensors) -> KernelTensors:
+        """The CUDA kernel's copy of the layer (cuda_layout) and, on a GPU, the stream kernel's workspace."""
         from vllm_wna16_plugin.kernels.cuda_ops import stream_workspace
 
         if tensors.w13_qweight.is_cuda:
             stream_workspace(tensors.w13_qweight.device)  # allocated here, before any CUDA-graph capture
-        return CudaState(tensors, ranges, cuda_layout(tensors))
+        return cuda_layout(tensors)
 
-    def run(self, problem: MoEProblem, state: CudaState, x, topk_weights, topk_ids, *, expert_map=None):
+    def run(self, problem: MoEProblem, state: KernelTensors, x, topk_weights, topk_ids, *, expert_map=None, plan=None):
         from vllm_wna16_plugin import _vllm
-        from vllm_wna16_plugin.backends.triton import TritonBackend
-        from vllm_wna16_plugin.kernels.cuda_ops import fused_moe_wna16_cuda
+        from vllm_wna16_plugin.kernels.cuda_ops import CudaLaunch, fused_moe_wna16_cuda
 
-        if state.cuda_m_ranges is not None and not crossover.in_ranges(x.shape[0], state.cuda_m_ranges):
-            # outside the batch sizes where cuda measured faster
-            return TritonBackend().run(problem, state.tensors, x, topk_weights, topk_ids, expert_map=expert_map)
-        tensors = state.cuda_tensors or state.tensors
+        launch = plan.launch if plan is not None and isinstance(plan.launch, CudaLaunch) else None
         return fused_moe_wna16_cuda(
-            x, *tensors.weights(), topk_weights, topk_ids, **layer_kwargs(problem, tensors, expert_map),
+            x, *state.weights(), topk_weights, topk_ids, **layer_kwargs(problem, state, expert_map),
             global_num_experts=problem.global_num_experts, align_fn=_vllm.moe_align_block_size_fn(),
-            kernel=problem.options.cuda_kernel,  # "gemv": the CUDA-core kernel (benchmarks)
+            options=problem.options.kernel, launch=launch,
         )  # fmt: skip

@@ -423,7 +423,7 @@ class HummingBackend(Backend):
                 **ACTIVATIONS[problem.activation],
             )
 
-    def run(self, problem: MoEProblem, state: HummingState, x, topk_weights, topk_ids, *, expert_map=None):
+    def run(self, problem: MoEProblem, state: HummingState, x, topk_weights, topk_ids, *, expert_map=None, plan=None):
         if problem.apply_router_weight_on_input:
             raise ValueError("humming: apply_router_weight_on_input is not supported")
         global_num_experts = state.num_experts if expert_map is None else int(expert_map.numel())

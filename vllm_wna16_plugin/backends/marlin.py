@@ -98,7 +98,7 @@ class MarlinBackend(Backend):
             "pieces": pieces,
         }
 
-    def run(self, problem: MoEProblem, state, x, topk_weights, topk_ids, *, expert_map=None):
+    def run(self, problem: MoEProblem, state, x, topk_weights, topk_ids, *, expert_map=None, plan=None):
         pieces = state["pieces"]
         (w1, s1, z1), (w2, s2, z2) = state["w13"], state["w2"]
         return pieces["fused_marlin_moe"](

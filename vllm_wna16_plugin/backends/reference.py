@@ -15,7 +15,7 @@ class ReferenceBackend(Backend):
             return f"activation {problem.activation!r} is not one of {list(ACTIVATIONS)}"
         return None
 
-    def run(self, problem: MoEProblem, state: KernelTensors, x, topk_weights, topk_ids, *, expert_map=None):
+    def run(self, problem: MoEProblem, state: KernelTensors, x, topk_weights, topk_ids, *, expert_map=None, plan=None):
         return fused_moe_wna16_ref(
             x, *state.weights(), topk_weights, topk_ids, **layer_kwargs(problem, state, expert_map),
             w13_g_idx=state.w13_g_idx, w2_g_idx=state.w2_g_idx,

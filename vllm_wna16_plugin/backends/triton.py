@@ -46,13 +46,15 @@ class TritonBackend(Backend):
             return sort_act_order(tensors, problem.scheme.bits)
         return tensors
 
-    def run(self, problem: MoEProblem, state: KernelTensors, x, topk_weights, topk_ids, *, expert_map=None):
+    def run(self, problem: MoEProblem, state: KernelTensors, x, topk_weights, topk_ids, *, expert_map=None, plan=None):
         from vllm_wna16_plugin import _vllm
+        from vllm_wna16_plugin.kernels.triton.configs import TritonLaunch
         from vllm_wna16_plugin.kernels.triton.fused_moe import fused_moe_wna16_triton
 
+        configs = plan.launch.configs if plan is not None and isinstance(plan.launch, TritonLaunch) else None
         align_fn = _vllm.moe_align_block_size_fn() if x.is_cuda else None
         return fused_moe_wna16_triton(
             x, *state.weights(), topk_weights, topk_ids, **layer_kwargs(problem, state, expert_map),
-            global_num_experts=problem.global_num_experts, use_td=problem.options.use_td, align_fn=align_fn,
-            a_perm=state.a_perm,
+            global_num_experts=problem.global_num_experts, configs=configs, align_fn=align_fn,
+            a_perm=state.a_perm, options=problem.options.kernel,
         )  # fmt: skip

@@ -63,7 +63,7 @@ class VllmCudaBackend(Backend):
         w2_s, w2_z = _expand_channelwise(tensors.w2_scales, tensors.w2_qzeros, problem.intermediate)
         return KernelTensors(tensors.w13_qweight, tensors.w2_qweight, w13_s, w2_s, w13_z, w2_z)
 
-    def run(self, problem: MoEProblem, state: KernelTensors, x, topk_weights, topk_ids, *, expert_map=None):
+    def run(self, problem: MoEProblem, state: KernelTensors, x, topk_weights, topk_ids, *, expert_map=None, plan=None):
         from vllm_wna16_plugin import _vllm
 
         ops = _vllm.vllm_custom_ops()

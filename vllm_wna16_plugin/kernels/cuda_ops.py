@@ -14,12 +14,15 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from vllm_wna16_plugin.block_config import BlockConfig, choose_cuda_block_config
+from vllm_wna16_plugin.kernels.options import DEFAULT_OPTIONS, PLAN_DEVICES, DeviceSpec, KernelOptions
 
 AlignFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+H200 = PLAN_DEVICES["sm90"]
 
 
 @functools.cache
@@ -116,34 +119,16 @@ def group_major(table: torch.Tensor | None) -> torch.Tensor | None:
     return table.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-# The grid BLOCK_SIZE_N is halved toward: four blocks per SM of an H100/H200 (H200, 2026-12-03-mma6: at
-# or ahead of two per SM on every shape from M=2 to 64, by up to 20% on Mixtral's M 2-8; two per SM
-# ended in a partial second wave of long blocks there).
-MIN_CTAS = 4 * 132
-# Past half a block per SM, halving stops where a warp's K slice would drop below this many K steps:
-# it is then mostly pipeline fill and the K-split sum (same run: on the small-expert shapes at M <= 4
-# the 16-column blocks that the grid alone asked for took 10-20% longer). Below that grid (K=1344 at
-# M <= 16: 16-64 blocks) the grid wins regardless (16.3 against 25.9 µs at M=1).
-MIN_WARP_STEPS = 8
-MIN_BLOCKS = 132 // 2
-# The largest BLOCK_SIZE_M the layer aligns to (vLLM's rule is min(16, M)): 8. Blocks of <= 8 tokens run the
-# kernel's two-tile warps (one 8-token column tile); 16-token blocks would run two column tiles of one row
-# tile, with the second mostly padding at decode sizes. H200, 2026-12-04-bm8a: 8-token blocks were faster at
-# every M from 16 to 64 on all six shapes (Mixtral M=16 355.5 against 487.1 µs), ahead of Triton to M=32.
-MAX_BLOCK_M = 8
+# The grid BLOCK_SIZE_N is halved toward: KernelOptions.cuda_ctas_per_sm blocks per SM (4 on an H200,
+# 2026-12-04-mma6: at or ahead of two per SM on every shape from M=2 to 64, by up to 20% on Mixtral's M 2-8;
+# two per SM ended in a partial second wave of long blocks there). Past half a block per SM, halving stops
+# where a warp's K slice would drop below KernelOptions.cuda_min_warp_steps K steps (8): it is then mostly
+# pipeline fill and the K-split sum (same run: on the small-expert shapes at M <= 4 the 16-column blocks
+# that the grid alone asked for took 10-20% longer). Below that grid (K=1344 at M <= 16: 16-64 blocks)
+# the grid wins regardless (16.3 against 25.9 us at M=1).
+# The largest BLOCK_SIZE_M the layer aligns to is KernelOptions.cuda_max_block_m (8; vLLM's rule is
+# min(16, M)): blocks of <= 8 tokens run the kernel's two-tile warps (one 8-token column tile).
 
-
-# Whether the layer runs its decode GEMMs (blocks of <= 8 tokens) on the persistent form of the tensor-core
-# kernel (csrc/moe_wna16_stream.cu, kernel "stream"): every warp streams one contiguous range of the
-# (expert block, 32 weight rows, K) work, so no block is mostly pipeline fill and the grid has no partial
-# wave. False: the tiled kernel with gemm_config's BLOCK_SIZE_N (bench_moe.py's plugin-cuda-tiles).
-STREAM = True
-# ... where GEMM1 gives each warp of the stream grid (two blocks of 8 warps per SM) at least this many pairs
-# of K steps: below it the tiled kernel's in-block K split is cheaper than units split between warps. H200,
-# 2026-12-04-stream2 (both forms side by side, layer time stream / tiled): 0.87-0.94 from 6.5 pairs per warp
-# on the small-expert shapes (channel-wise M >= 4, DeepSeek-V2-Lite / Qwen3 M >= 8), 0.89-1.00 on Mixtral
-# (13.6 and up), but 1.03-1.41 below 6.7 (M <= 4 of the small-expert shapes, every M of K=1344).
-STREAM_MIN_PAIRS_PER_WARP = 6
 
 # Per warp of the stream kernel's workspace: two float32 partial sums of a unit and an int32 counter
 # (csrc/launch_rules.h kStreamSlotWords); a launch uses at most two blocks of 8 warps per SM, one slot each,
@@ -166,32 +151,10 @@ def stream_workspace(device: torch.device) -> torch.Tensor:
     return _workspaces[index]
 
 
-# Whether the layer's kernels (alignment, GEMMs, top-k sum) are programmatic dependent launches on GPUs that
-# take them (sm90+; csrc/grid_dependency.cuh): each may start while the one before it finishes, and a stream
-# GEMM2 copies its first weights during GEMM1's tail (its routing lists are the alignment's, two kernels
-# back; a stream GEMM1 is launched plainly, as it reads them before it waits). False: plain launches
-# (bench_moe.py's plugin-cuda-plain-launch). H200, 2026-12-04-pdl3: 1-5 us faster per layer call at
-# M 1-32 on every shape (Mixtral M=1 88.0 against 90.3 us, the channel-wise shape at M=8 72.2 against 77.4).
-PROGRAMMATIC_LAUNCH = True
-
-
-@functools.cache
-def _sm_major(index: int) -> int:
-    return torch.cuda.get_device_properties(index).major
-
-
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether the layer launches its kernels programmatically on `device` (PROGRAMMATIC_LAUNCH, sm90+)."""
-    if not PROGRAMMATIC_LAUNCH or device.type != "cuda":
-        return False
-    return _sm_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
-
-
-# Whether the layer aligns decode batches (at most ALIGN_MAX_PAIRS routed pairs) with the plugin's one-block
-# alignment (csrc/moe_align.cu) instead of vLLM's moe_align_block_size (bench_moe.py's plugin-cuda-vllm-align):
-# H200, 2026-12-04-stream1: vLLM's took 9 µs of DeepSeek-V2-Lite's layer at M=8 (64 experts).
-OWN_ALIGN = True
+# The plugin's one-block alignment (csrc/moe_align.cu, KernelOptions.own_align) takes decode batches of
+# int32 ids: at most this many routed pairs (its shared memory holds 2 counts per expert, up to 4096 experts).
 ALIGN_MAX_PAIRS = 4096
+ALIGN_MAX_EXPERTS = 4096
 
 
 def align_block_size(
@@ -201,13 +164,14 @@ def align_block_size(
     expert_map: torch.Tensor | None,
     align_fn: AlignFn,
     programmatic: bool = False,
+    own: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """vLLM's moe_align_block_size(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts=True):
     (sorted_token_ids, expert_ids, num_tokens_post_padded), the plugin's own kernel for decode batches of
-    int32 ids, else align_fn (vLLM's). The lists are as long as vLLM makes them. programmatic: the plugin's
-    kernel is a programmatic dependent launch (see PROGRAMMATIC_LAUNCH)."""
+    int32 ids (own: CudaLaunch.own_align), else align_fn (vLLM's). The lists are as long as vLLM makes them.
+    programmatic: the plugin's kernel is a programmatic dependent launch (KernelOptions.programmatic_launch)."""
     pairs = topk_ids.numel()
-    own = OWN_ALIGN and topk_ids.dtype == torch.int32 and pairs <= ALIGN_MAX_PAIRS and num_experts <= 4096
+    own = own and topk_ids.dtype == torch.int32 and pairs <= ALIGN_MAX_PAIRS and num_experts <= ALIGN_MAX_EXPERTS
     if not own:
         return align_fn(topk_ids, block_size, num_experts, expert_map, ignore_invalid_experts=True)
     longest = min(pairs * block_size, pairs + num_experts * (block_size - 1))
@@ -220,11 +184,6 @@ def align_block_size(
     if refusal:
         raise RuntimeError(f"wna16_plus::moe_align_block_size: {refusal}")
     return sorted_ids, expert_ids, num_post_pad
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def expected_blocks(m: int, top_k: int, num_experts: int, block_m: int) -> float:
@@ -260,24 +219,122 @@ def warp_k_steps(size_k: int, bits: int, block_m: int, block_n: int, gated: bool
     return 2 * -(-pairs // ksplit)
 
 
+def pick_vector_bytes(size_k: int, num_groups: int, bits: int) -> int:
+    """csrc/launch_rules.h pick_vector_bytes, mirrored (tests compare the two): the widest of 16/8/4 bytes that
+    divides a weight row and keeps each vector inside one scale group; 0 = none fits."""
+    row_bytes = size_k * bits // 8
+    group_size = size_k // num_groups if num_groups > 0 else 0
+    for vec in (16, 8, 4):
+        if row_bytes % vec == 0 and (num_groups == 1 or group_size % (vec * 8 // bits) == 0):
+            return vec
+    return 0
+
+
+def mma_kernel_fits(size_k: int, num_groups: int, bits: int) -> bool:
+    """csrc/launch_rules.h mma_kernel_fits, mirrored (tests compare the two on every shape they sweep): the
+    tensor-core kernel reads 16-byte chunks of a row that never straddle a group, a power-of-two number of
+    chunks per group (or one group)."""
+    if pick_vector_bytes(size_k, num_groups, bits) != 16:
+        return False
+    chunks = size_k * bits // 128 // num_groups
+    return num_groups == 1 or (chunks & (chunks - 1)) == 0
+
+
 def gemm_config(
-    m: int, top_k: int, num_experts: int, size_k: int, size_n: int, num_groups: int, bits: int, gated: bool = False
+    m: int,
+    top_k: int,
+    num_experts: int,
+    size_k: int,
+    size_n: int,
+    num_groups: int,
+    bits: int,
+    gated: bool = False,
+    device: DeviceSpec = H200,
+    options: KernelOptions = DEFAULT_OPTIONS,
 ):
     """The launch config of one GEMM: block_config's legal CUDA config (channel-wise as one group of K),
-    with BLOCK_SIZE_N halved (down to 16) while the expected grid has fewer than MIN_CTAS blocks and, once it
-    has MIN_BLOCKS, each warp keeps at least MIN_WARP_STEPS K steps. The kernel takes any BLOCK_SIZE_N, so the smaller tile
-    stays legal; decode grids are otherwise a few dozen blocks. size_n: output columns (I when the
+    BLOCK_SIZE_M capped at options.cuda_max_block_m, with BLOCK_SIZE_N halved (down to 16) while the expected
+    grid has fewer than options.cuda_ctas_per_sm * SMs blocks and, once it has half a block per SM, each warp
+    keeps at least options.cuda_min_warp_steps K steps. The kernel takes any BLOCK_SIZE_N, so the smaller
+    tile stays legal; decode grids are otherwise a few dozen blocks. size_n: output columns (I when the
     activation is fused, gated)."""
     # channel-wise is one group of K: legal for any K % 8 == 0 (K=176 is 704 at TP4), unlike vLLM's kernel
     cfg = choose_cuda_block_config(m, top_k, num_experts, size_k, size_n, size_k // num_groups, bits)
-    bm = min(cfg.block_size_m, MAX_BLOCK_M)
+    bm = min(cfg.block_size_m, options.cuda_max_block_m)
     m_blocks = expected_blocks(m, top_k, num_experts, bm)
+    min_ctas, min_blocks = options.cuda_ctas_per_sm * device.sm_count, device.sm_count // 2
     bn = cfg.block_size_n
-    while bn > 16 and (blocks := m_blocks * -(-size_n // bn)) < MIN_CTAS:
-        if blocks >= MIN_BLOCKS and warp_k_steps(size_k, bits, bm, bn // 2, gated) < MIN_WARP_STEPS:
+    while bn > 16 and (blocks := m_blocks * -(-size_n // bn)) < min_ctas:
+        if blocks >= min_blocks and warp_k_steps(size_k, bits, bm, bn // 2, gated) < options.cuda_min_warp_steps:
             break
         bn //= 2
     return BlockConfig(bm, bn, cfg.block_size_k, cfg.size_k, cfg.group_size)
+
+
+@dataclass(frozen=True)
+class CudaLaunch:
+    """The CUDA layer's launch for one batch size (cuda_launch): both GEMMs' configs and kernels, how the
+    tokens are aligned and whether the launches are programmatic.
+
+    kernel1 / kernel2: "auto" | "mma" | "gemv" | "stream" (invoke_moe_wna16_gemm); fuse_activation: GEMM1
+    runs the gated activation (tensor-core kernel only); own_align: the plugin's one-block alignment when
+    the ids are int32 (else vLLM's); pairs_per_warp: the stream rule's measure of GEMM1."""
+
+    gemm1: BlockConfig
+    gemm2: BlockConfig
+    fuse_activation: bool
+    kernel1: str
+    kernel2: str
+    own_align: bool
+    programmatic: bool
+    pairs_per_warp: float
+
+
+@functools.lru_cache(maxsize=4096)
+def cuda_launch(
+    m: int,
+    top_k: int,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    groups1: int,
+    groups2: int,
+    bits: int,
+    global_num_experts: int,
+    device: DeviceSpec = H200,
+    options: KernelOptions = DEFAULT_OPTIONS,
+) -> CudaLaunch:
+    """What fused_moe_wna16_cuda launches for m tokens: pure and GPU-blind (the launch plan shows it).
+
+    GEMM1 fuses the activation where the tensor-core kernel takes it (mma_kernel_fits); both GEMMs share
+    one alignment (GEMM1's BLOCK_SIZE_M). Decode blocks (<= 8 tokens) run the stream kernel when
+    options.cuda_stream and GEMM1 gives each warp >= options.cuda_stream_min_pairs_per_warp pairs of K steps
+    (a GEMM the tensor-core kernel does not fit keeps options.cuda_kernel)."""
+    kernel = options.cuda_kernel
+    fuse = kernel != "gemv" and mma_kernel_fits(hidden, groups1, bits)
+    n1 = inter if fuse else 2 * inter
+    cfg1 = gemm_config(m, top_k, num_experts, hidden, n1, groups1, bits, fuse, device, options)
+    cfg2 = gemm_config(m, top_k, num_experts, inter, hidden, groups2, bits, False, device, options)
+    if cfg2.block_size_m != cfg1.block_size_m:  # one alignment for both GEMMs
+        cfg2 = BlockConfig(cfg1.block_size_m, cfg2.block_size_n, cfg2.block_size_k, cfg2.size_k, cfg2.group_size)
+    per_warp = stream_pairs_per_warp(m, top_k, num_experts, hidden, n1, bits, fuse, cfg1.block_size_m, device.sm_count)
+    streams = (
+        kernel == "auto"
+        and options.cuda_stream
+        and cfg1.block_size_m <= 8
+        and per_warp >= options.cuda_stream_min_pairs_per_warp
+    )
+    pairs = m * top_k
+    return CudaLaunch(
+        gemm1=cfg1,
+        gemm2=cfg2,
+        fuse_activation=fuse,
+        kernel1="stream" if streams and fuse else kernel,
+        kernel2="stream" if streams and mma_kernel_fits(inter, groups2, bits) else kernel,
+        own_align=options.own_align and pairs <= ALIGN_MAX_PAIRS and global_num_experts <= ALIGN_MAX_EXPERTS,
+        programmatic=options.programmatic_launch and device.platform == "cuda" and device.sm_major >= 9,
+        pairs_per_warp=per_warp,
+    )
 
 
 def invoke_moe_wna16_gemm(
@@ -337,14 +394,15 @@ def fused_moe_wna16_cuda(
     apply_router_weight_on_input: bool = False,
     expert_map: torch.Tensor | None = None,
     global_num_experts: int = -1,
-    kernel: str = "auto",
+    options: KernelOptions = DEFAULT_OPTIONS,
+    launch: CudaLaunch | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_j w[t,j] * W2[e] @ act(W13[e] @ x[t]), e = topk_ids[t,j]; the reference's contract.
 
     align_fn: vLLM's moe_align_block_size(topk_ids, block_size, num_experts, expert_map,
     ignore_invalid_experts=True), for batches the plugin's own alignment does not take (align_block_size).
-    Both GEMMs share one alignment (the same BLOCK_SIZE_M).
-    kernel: see invoke_moe_wna16_gemm.
+    launch: what to launch (the layer's launch plan passes it); None: cuda_launch for this batch, this
+    device and `options`.
     """
     from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton, moe_sum_triton
 
@@ -362,15 +420,12 @@ def fused_moe_wna16_cuda(
     out = torch.empty_like(x)
     if m == 0:
         return out
-    # GEMM1 with the activation fused where the tensor-core kernel runs it (its output columns are I)
-    fuse = kernel != "gemv" and torch.ops.wna16_plus.mma_kernel_fits(hidden, w13_scales.shape[-1], bits)
-    cfg1 = gemm_config(m, top_k, num_experts, hidden, inter if fuse else two_i, w13_scales.shape[-1], bits, fuse)
-    cfg2 = gemm_config(m, top_k, num_experts, inter, hidden, w2_scales.shape[-1], bits)
-    if cfg2.block_size_m != cfg1.block_size_m:  # one alignment for both GEMMs
-        cfg2 = BlockConfig(cfg1.block_size_m, cfg2.block_size_n, cfg2.block_size_k, cfg2.size_k, cfg2.group_size)
-    pdl = programmatic_launch(x.device)
+    if launch is None:
+        launch = cuda_launch(m, top_k, num_experts, hidden, inter, w13_scales.shape[-1], w2_scales.shape[-1],
+                             bits, global_num_experts, DeviceSpec.of(x.device), options)  # fmt: skip
+    cfg1, cfg2, pdl = launch.gemm1, launch.gemm2, launch.programmatic
     sorted_ids, expert_ids, num_post_pad = align_block_size(
-        topk_ids, cfg1.block_size_m, global_num_experts, expert_map, align_fn, pdl
+        topk_ids, cfg1.block_size_m, global_num_experts, expert_map, align_fn, pdl, launch.own_align
     )
     # the kernel reads A rows in 16-byte vectors: a fresh copy when x's rows are not 16-byte aligned
     a = (
@@ -381,38 +436,30 @@ def fused_moe_wna16_cuda(
     weights = topk_weights.reshape(-1).float()
     if apply_router_weight_on_input:
         a = (a.float() * topk_weights.float().reshape(m, 1)).to(x.dtype)  # top_k == 1 (checked by the caller)
-    # "auto": decode blocks on the persistent tensor-core kernel wherever a GEMM fits the tensor-core kernel,
-    # when the layer gives its warps enough work
-    streams = (
-        kernel == "auto"
-        and STREAM
-        and cfg1.block_size_m <= 8
-        and stream_pairs_per_warp(m, top_k, num_experts, hidden, inter if fuse else two_i, bits, fuse,
-                                  cfg1.block_size_m, _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())) >= STREAM_MIN_PAIRS_PER_WARP
-    )  # fmt: skip
-    kernel1 = "stream" if streams and fuse else kernel
-    kernel2 = "stream" if streams and torch.ops.wna16_plus.mma_kernel_fits(inter, w2_scales.shape[-1], bits) else kernel
     gemm = functools.partial(invoke_moe_wna16_gemm, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
                              num_tokens_post_padded=num_post_pad, bits=bits, programmatic=pdl)  # fmt: skip
-    if fuse:
+    if launch.fuse_activation:
         act = torch.empty(m * top_k, inter, dtype=x.dtype, device=x.device)
         gemm(a, w13_qweight, w13_scales, w13_qzeros, act, None, top_k=top_k, config=cfg1, activation=activation,
-             kernel=kernel1)  # fmt: skip
+             kernel=launch.kernel1)  # fmt: skip
     else:
         h1 = torch.empty(m * top_k, two_i, dtype=x.dtype, device=x.device)
-        gemm(a, w13_qweight, w13_scales, w13_qzeros, h1, None, top_k=top_k, config=cfg1, kernel=kernel1)
+        gemm(a, w13_qweight, w13_scales, w13_qzeros, h1, None, top_k=top_k, config=cfg1, kernel=launch.kernel1)
         act = gated_activation_triton(h1, activation)
     # rows of pairs the alignment skips (experts of other ranks, with an expert_map) stay unwritten in
     # act and h2; their h2 rows must add 0 in the top-k sum, so h2 then starts as zeros
     h2 = (torch.empty if expert_map is None else torch.zeros)(m * top_k, hidden, dtype=x.dtype, device=x.device)
     # GEMM2's routing lists are the alignment's: two or more kernels back
     gemm(act, w2_qweight, w2_scales, w2_qzeros, h2, None if apply_router_weight_on_input else weights,
-         top_k=1, config=cfg2, kernel=kernel2, weights_before_wait=True)  # fmt: skip
+         top_k=1, config=cfg2, kernel=launch.kernel2, weights_before_wait=True)  # fmt: skip
     return moe_sum_triton(h2, out, top_k, programmatic=pdl)
 
 
 __all__ = [
+    "CudaLaunch",
+    "cuda_launch",
     "extension_error",
+    "mma_kernel_fits",
     "fused_moe_wna16_cuda",
     "gemm_config",
     "group_major",

@@ -77,8 +77,8 @@ def device_key() -> str:
         return "cpu"
     major, minor = torch.cuda.get_device_capability()
     sm = major * 10 + minor
-    tiers = [key for key, (platform, tier) in DEVICES.items() if platform == "cuda" and tier <= sm]
-    return max(tiers, key=lambda key: DEVICES[key][1]) if tiers else "cpu"
+    tiers = [key for key, d in DEVICES.items() if d.platform == "cuda" and d.sm <= sm]
+    return max(tiers, key=lambda key: DEVICES[key].sm) if tiers else "cpu"
 
 
 def _moe_tensors(path: Path, prefix: str) -> list[tuple[str, torch.Tensor]]:

@@ -4,8 +4,10 @@ Resolves every routed-experts layer's scheme with the code loading uses (dynamic
 rules, modules_to_not_convert, ignore, several config_groups) and, per distinct scheme
 with its layers, prints each MoE GEMM's shape per TP rank and the group size it runs
 with, the CUDA launch configs over batch sizes 1..4096 with their legality (and
-vLLM 0.26's own choice where vLLM is importable), and which backend `auto` would
-pick on the named device, with every rejection's reason. Where loading would fail
+vLLM 0.26's own choice where vLLM is importable), which backend `auto` would
+pick on the named device, with every rejection's reason, and the launch plan of
+each batch size (launch_plan.plan: backend, kernels, tiles, forms, alignment and
+where each number came from). Where loading would fail
 (a bad config, act order that cannot be re-grouped at --tp, a TP size that does not
 divide) it raises ValueError naming the field or flag and what would work.
 """
@@ -29,11 +31,13 @@ from vllm_wna16_plugin.checkpoint_config import (
     effective_group_size,
     parse_quantization_config,
 )
+from vllm_wna16_plugin.kernels.options import PLAN_DEVICES
+from vllm_wna16_plugin.launch_plan import plan as launch_plan
 from vllm_wna16_plugin.oracle import collect_verdicts
 from vllm_wna16_plugin.scheme import WNA16Scheme, not_an_int, type_name
 
-DEVICES = {"sm70": ("cuda", 70), "sm80": ("cuda", 80), "sm90": ("cuda", 90), "sm100": ("cuda", 100),
-           "xpu": ("xpu", None), "cpu": ("cpu", None)}  # fmt: skip
+# --device: what each name is planned as (sm90 is the H200 whose tuned configs and crossovers ship)
+DEVICES = PLAN_DEVICES
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -248,7 +252,7 @@ def _launch_config_table(gemms, k: int, e: int, bits: int) -> list[str]:
 
 
 def _problem(scheme, dims: MoEDims, i_loc: int, gs13: int, gs2: int, device: str, tp: int) -> MoEProblem:
-    platform, sm = DEVICES[device]
+    platform, sm = DEVICES[device].platform, DEVICES[device].sm
     return MoEProblem(scheme=scheme, hidden=dims.hidden, intermediate=i_loc, num_experts=dims.experts,
                       global_num_experts=dims.experts, top_k=dims.top_k, group_size_w13=gs13,
                       group_size_w2=gs2, act_dtype=torch.bfloat16, platform=platform, sm=sm,
@@ -361,11 +365,17 @@ def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_con
         out.append(f"  {name:8s} K={size_k:6d} N={size_n:6d} group={gs if gs != size_k else 'channel'}{regroup}")
     if launch_configs:
         out += _launch_config_table(gemms, dims.top_k, dims.experts, scheme.bits)
-    verdicts = collect_verdicts(_problem(scheme, dims, i_loc, gs13, gs2, device, tp))
+    problem = _problem(scheme, dims, i_loc, gs13, gs2, device, tp)
+    verdicts = collect_verdicts(problem)
     chosen = next((v.backend for v in verdicts if v.ok), None)
     out += ["", f"backend on {device} (auto): {chosen}"]
     for v in verdicts:
         out.append(f"  - {v.backend}: {'ok' if v.ok else 'rejected: ' + v.reason}")
+    if launch_configs and chosen is not None:
+        out += ["", f"launch plan on {DEVICES[device].describe()} (auto), per batch size M (tokens):"]
+        out += [
+            "  " + line for m in BATCH_SIZES for line in launch_plan(problem, m, DEVICES[device]).describe().split("\n")
+        ]
     return out
 
 
@@ -395,7 +405,7 @@ def cuda_ops_line(device: str, archs: list[str] | None, error: str | None) -> st
     if archs is None or error:
         return f"CUDA ops (this install): not usable: {error or 'not built'}"
     built = ", ".join(archs) or "no GPU code found"
-    platform, sm = DEVICES[device]
+    platform, sm = DEVICES[device].platform, DEVICES[device].sm
     if platform != "cuda":
         return f"CUDA ops (this install): built for {built}; the cuda backend does not run on {device}"
     # SASS runs on its own major version at an equal or higher minor; PTX is compiled for any newer GPU
@@ -411,7 +421,8 @@ def cuda_ops_line(device: str, archs: list[str] | None, error: str | None) -> st
 def add_doctor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="checkpoint directory with config.json")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--device", choices=sorted(DEVICES), default="sm90", help="device to plan for (default sm90)")
+    p.add_argument("--device", choices=sorted(DEVICES), default="sm90",
+                   help="device to plan for (default sm90, planned as the H200 whose tuned tables ship)")  # fmt: skip
 
 
 def run_doctor(args) -> int:

@@ -38,7 +38,7 @@ class TritonMoEConfig:
     num_stages: int = 2
     use_td: bool | None = None  # a tuned opinion on tensor descriptors; None = let td_gate decide
     SPLIT_K: int = 1  # K slices per output tile; > 1 writes float32 partials that the next kernel sums
-    # a tuned int4 dot form (fused_moe.DOT_NIBBLES: "interleave", "split", "words"); None = the auto policy
+    # a tuned int4 dot form (KernelOptions.dot_nibbles: "interleave", "split", "words"); None = the auto policy
     nibbles: str | None = None
     # a tuned cap on registers per thread (ptxas .maxnreg, CUDA only): more programs per SM for a tile
     # whose registers, not its shared memory, bound the occupancy; None = the compiler's choice
@@ -196,6 +196,60 @@ def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, 
     )
 
 
+def word_tile_fits(config: TritonMoEConfig) -> bool:
+    """The words form's tile stays in registers: at most 32 elements of the A tile and 32 of the
+    float32 accumulator per lane. Beyond that the eight K/8 dots spill (sm90 SASS, bench/sass_cost.py):
+    32x128x256 on 4 warps (A 64 per lane) had 93 local loads per K step and took 1.5x the split form's
+    time on Mixtral-8x7B at M=64 (bench/results/h200/2026-12-03-c5ff782-words-forms.md); 32x256x128
+    (accumulator 64) spilled 34. Every tile within the bound compiled without a spill worth one load."""
+    lanes = 32 * config.num_warps
+    return (
+        config.BLOCK_SIZE_M * config.BLOCK_SIZE_K <= 32 * lanes
+        and config.BLOCK_SIZE_M * config.BLOCK_SIZE_N <= 32 * lanes
+    )
+
+
+def _use_word_nibbles(bits: int, config: TritonMoEConfig, K: int, rows_on_words: bool, use_td_b: bool) -> bool:
+    """The tile can take the "words" form: int4, eight dots of BLOCK_K / 8 >= 16 each, whole words per row
+    (K % 8 == 0) on word-aligned rows (rows_on_words: _rows_on_words of the tensor), B by pointer, and a
+    tile that fits the registers (word_tile_fits)."""
+    return (
+        bits == 4
+        and config.BLOCK_SIZE_K >= 128
+        and K % 8 == 0
+        and not use_td_b
+        and rows_on_words
+        and word_tile_fits(config)
+    )
+
+
+def dot_form(bits: int, config: TritonMoEConfig, K: int, rows_on_words: bool, use_td_b: bool, want: str) -> str:
+    """The form a launch of the tl.dot kernel feeds B to the dot in (KernelOptions.dot_nibbles is `want`).
+
+    "auto": the config's tuned `nibbles` when it has one, else "words" on K tiles of 128 and more,
+    "interleave" on narrower ones; a forced form overrides both. A words form the tile cannot take
+    (_use_word_nibbles) runs "split", which any int4 tile with BLOCK_K >= 32 takes. int8 has no
+    nibbles ("interleave": plain tiles).
+    """
+    if bits != 4:
+        return "interleave"
+    if want == "auto" and config.nibbles:  # a form the tuner measured for this entry
+        want = config.nibbles
+    if want == "auto":
+        want = "words" if config.BLOCK_SIZE_K >= 128 else "interleave"
+    if want == "words":
+        if _use_word_nibbles(bits, config, K, rows_on_words, use_td_b):
+            return "words"
+        want = "split"
+    return "split" if want == "split" and config.BLOCK_SIZE_K >= 32 else "interleave"
+
+
+def pair_step(bits: int, rows_on_words: bool, want: str) -> str:
+    """How the per-pair kernel multiplies a K step (KernelOptions.pair_step_math is `want`): "fold" needs
+    int4 rows on 32-bit words (it reads B as words); otherwise "tile"."""
+    return "fold" if want == "fold" and (bits == 8 or rows_on_words) else "tile"
+
+
 TUNED_M_REACH = 2  # a tuned entry serves token counts up to this factor beyond the tuned range
 
 
@@ -209,7 +263,77 @@ def nearest_tuned_m(table: dict[int, TritonMoEConfig], M: int) -> int | None:
     return min(table, key=lambda m: abs(m - M))
 
 
+@dataclass(frozen=True)
+class ConfigChoice:
+    """A GEMM's config and where it came from: "tuned <file> at M=<key>" or "default_config (heuristic)"."""
+
+    config: TritonMoEConfig
+    source: str
+
+
 @functools.lru_cache(maxsize=4096)
+def choose_triton_moe_config(
+    M: int,
+    E: int,
+    N: int,
+    K: int,
+    top_k: int,
+    group_size: int,
+    bits: int,
+    device_name: str | None = None,
+    config_dir: Path | None = None,
+) -> ConfigChoice:
+    """The tuned config nearest to M for this GEMM shape on device_name, else `default_config`
+    (no file for the shape and device, or M outside the tuned range; see nearest_tuned_m), with its source.
+
+    group_size: the GEMM's effective group (-1 or K = channel-wise). A tuned entry
+    that is illegal for K/group_size raises (a bad file is a bug, not a fallback).
+    """
+    gs = K if group_size == -1 else group_size
+    table = None
+    if device_name:
+        table = load_tuned_configs(E, N, K, gs, bits, device_name, config_dir)
+    m_key = nearest_tuned_m(table, M) if table else None
+    if m_key is not None:
+        choice = ConfigChoice(table[m_key], f"tuned {config_file_name(E, N, K, gs, bits, device_name)} at M={m_key}")
+    else:
+        why = "no tuned file for this shape and device" if not table else f"M={M} outside the tuned range"
+        choice = ConfigChoice(default_config(M, E, N, K, top_k, gs, bits), f"default_config heuristic ({why})")
+    choice.config.check_shape(K, gs)
+    return choice
+
+
+@dataclass(frozen=True)
+class TritonLaunch:
+    """The Triton layer's configs for one batch size (triton_launch): GEMM1 (N = 2I, K = H), GEMM2 (N = H, K = I)."""
+
+    gemm1: ConfigChoice
+    gemm2: ConfigChoice
+
+    @property
+    def configs(self) -> tuple[TritonMoEConfig, TritonMoEConfig]:
+        return self.gemm1.config, self.gemm2.config
+
+
+def triton_launch(
+    M: int,
+    E: int,
+    H: int,
+    I: int,  # noqa: E741 - the intermediate size, as everywhere in the plugin
+    top_k: int,
+    group_size_w13: int,
+    group_size_w2: int,
+    bits: int,
+    device_name: str | None = None,
+    config_dir: Path | None = None,
+) -> TritonLaunch:
+    """Both GEMMs' configs for M tokens (group sizes are effective: K = channel-wise)."""
+    return TritonLaunch(
+        choose_triton_moe_config(M, E, 2 * I, H, top_k, group_size_w13, bits, device_name, config_dir),
+        choose_triton_moe_config(M, E, H, I, top_k, group_size_w2, bits, device_name, config_dir),
+    )
+
+
 def get_triton_moe_config(
     M: int,
     E: int,
@@ -221,24 +345,16 @@ def get_triton_moe_config(
     device_name: str | None = None,
     config_dir: Path | None = None,
 ) -> TritonMoEConfig:
-    """The tuned config nearest to M for this GEMM shape on device_name, else `default_config`
-    (no file for the shape and device, or M outside the tuned range; see nearest_tuned_m).
-
-    group_size: the GEMM's effective group (-1 or K = channel-wise). A tuned entry
-    that is illegal for K/group_size raises (a bad file is a bug, not a fallback).
-    """
-    gs = K if group_size == -1 else group_size
-    table = None
-    if device_name:
-        table = load_tuned_configs(E, N, K, gs, bits, device_name, config_dir)
-    m_key = nearest_tuned_m(table, M) if table else None
-    cfg = table[m_key] if m_key is not None else default_config(M, E, N, K, top_k, gs, bits)
-    cfg.check_shape(K, gs)
-    return cfg
+    """choose_triton_moe_config's config alone."""
+    return choose_triton_moe_config(M, E, N, K, top_k, group_size, bits, device_name, config_dir).config
 
 
 __all__ = [
+    "ConfigChoice",
+    "TritonLaunch",
     "TritonMoEConfig",
+    "choose_triton_moe_config",
+    "triton_launch",
     "config_file_name",
     "default_config",
     "expected_experts_hit",

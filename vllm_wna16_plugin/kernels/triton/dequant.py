@@ -244,7 +244,7 @@ def _word_nibble_dots(
     compute_type: tl.constexpr,
     INTERPRET_BF16: tl.constexpr,
 ):
-    """acc + a @ dequant(B).T over one K tile, int4 B unpacked from whole words (DOT_NIBBLES = "words").
+    """acc + a @ dequant(B).T over one K tile, int4 B unpacked from whole words (KernelOptions.dot_nibbles = "words").
 
     Word i holds k = 8i + t in bits 4t .. 4t+3 (packing.py: low nibble first). One shift and one and
     per word give the nibbles s and 4 + s of it in the two 16-bit halves, so B splits into eight

@@ -35,8 +35,9 @@ import triton.language as tl
 
 from vllm_wna16_plugin.inputs import check_layer_tensors, routing_contiguous
 from vllm_wna16_plugin.kernels.align import moe_align_block_size_torch
+from vllm_wna16_plugin.kernels.options import DEFAULT_OPTIONS, DeviceSpec, KernelOptions
 from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton, moe_sum_triton
-from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig, get_triton_moe_config
+from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig, dot_form, pair_step, triton_launch
 from vllm_wna16_plugin.kernels.triton.dequant import (
     _dequant_b_tile,
     _folded_dot_step,
@@ -56,81 +57,7 @@ def _rows_on_words(qweight: torch.Tensor) -> bool:
     return qweight.data_ptr() % 4 == 0 and all(x % 4 == 0 for x in qweight.stride()[:2])
 
 
-def _word_tile_fits(config: TritonMoEConfig) -> bool:
-    """The words form's tile stays in registers: at most 32 elements of the A tile and 32 of the
-    float32 accumulator per lane. Beyond that the eight K/8 dots spill (sm90 SASS, bench/sass_cost.py):
-    32x128x256 on 4 warps (A 64 per lane) had 93 local loads per K step and took 1.5x the split form's
-    time on Mixtral-8x7B at M=64 (bench/results/h200/2026-12-03-c5ff782-words-forms.md); 32x256x128
-    (accumulator 64) spilled 34. Every tile within the bound compiled without a spill worth one load."""
-    lanes = 32 * config.num_warps
-    return (
-        config.BLOCK_SIZE_M * config.BLOCK_SIZE_K <= 32 * lanes
-        and config.BLOCK_SIZE_M * config.BLOCK_SIZE_N <= 32 * lanes
-    )
-
-
-def _use_word_nibbles(
-    bits: int, config: TritonMoEConfig, K: int, qweight: torch.Tensor, td: TDDecision, form: str | None = None
-) -> bool:
-    """`form` (default DOT_NIBBLES) is a words form and the tile can take it: int4, eight dots of
-    BLOCK_K / 8 >= 16 each, whole words per row (K % 8 == 0) on word-aligned rows, B by pointer, and
-    a tile that fits the registers (_word_tile_fits)."""
-    return (
-        bits == 4
-        and (form or DOT_NIBBLES) == "words"
-        and config.BLOCK_SIZE_K >= 128
-        and K % 8 == 0
-        and not td.use_td_b
-        and _rows_on_words(qweight)
-        and _word_tile_fits(config)
-    )
-
-
-def _dot_form(bits: int, config: TritonMoEConfig, K: int, qweight: torch.Tensor, td: TDDecision) -> str:
-    """The form this launch of the tl.dot kernel feeds B to the dot in (DOT_NIBBLES says which).
-
-    "auto": the config's tuned `nibbles` when it has one, else "words" on K tiles of 128 and more,
-    "interleave" on narrower ones (see DOT_NIBBLES); a forced DOT_NIBBLES overrides both. A words
-    form the tile cannot take (_use_word_nibbles) runs "split", which any int4 tile with BLOCK_K >= 32
-    takes. int8 has no nibbles ("interleave": plain tiles).
-    """
-    if bits != 4:
-        return "interleave"
-    want = DOT_NIBBLES
-    if want == "auto" and config.nibbles:  # a form the tuner measured for this entry
-        want = config.nibbles
-    if want == "auto":
-        want = "words" if config.BLOCK_SIZE_K >= 128 else "interleave"
-    if want == "words":
-        if _use_word_nibbles(bits, config, K, qweight, td, want):
-            return "words"
-        want = "split"
-    return "split" if want == "split" and config.BLOCK_SIZE_K >= 32 else "interleave"
-
-
 PAIR_ACC_MAX_K = 256
-# How the per-pair (GEMV) kernel multiplies a K step: "fold" (dequant._folded_dot_step: float32
-# multiply-adds of the raw integers, scale and zero applied per group; 36% fewer instructions per
-# weight in the sm90 SASS, bench/sass_cost.py) or "tile" (dequantize the tile to the compute dtype,
-# as the tl.dot kernel must, then multiply-add in float32). "fold" is the default: on the H200 it took
-# 0.62-0.85x the time of "tile" at M <= 8 on all five benchmark shapes (bench/results/h200/
-# 2026-12-03-09163a5-lean-forms.md). "tile" remains for int4 rows that do not start on a 32-bit word.
-PAIR_STEP_MATH = "fold"
-# How the tl.dot kernel feeds int4 to the tensor cores (_dot_form decides per launch):
-#   "interleave"  one dot over the K tile, nibbles interleaved back into k order;
-#   "split"       two dots of half the K: low nibbles with A's even columns, high with its odd ones;
-#   "words"       (dequant._word_nibble_dots) B loaded as 32-bit words, one and-or per shift makes
-#                 eight tiles of K/8, eight dots per K tile, no byte widening; pointer path only;
-#   "auto"        (default) "words" on K tiles of >= 128 ("split" where the tile cannot take words:
-#                 TD, rows off 32-bit words, a tile past _word_tile_fits), "interleave" on narrower ones.
-# The H200 measurement behind "auto" (bench/results/h200/2026-12-03-c5ff782-words-forms.md, four shapes
-# x M 8-256, same run): on 128/256-wide K tiles "words" took 0.89-0.99x the time of "split" at M 16-64
-# and 0.97-1.02x at M = 8 (one tile that spilled took 1.5x: _word_tile_fits); on 64-wide tiles (the M = 256 entries, the channel-wise shape's) "interleave"
-# took 0.92-0.93x of "split" at M = 256 (the words provider ran them as "interleave"). A fifth form,
-# "words-fold" (scale and zero on the tile's float32 sum), was no faster than "words" anywhere and
-# slower at M 16-64; it was removed. Earlier (09163a5-lean-forms.md) "split" took
-# 0.92-0.97x of "interleave" on 128/256-wide tiles. The single-form values stay for tests and benchmarks.
-DOT_NIBBLES = "auto"
 _COMPUTE_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 AlignFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -346,8 +273,8 @@ def _fused_moe_wna16_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
-    SPLIT_NIBBLES: tl.constexpr,  # int4: two half-K dots instead of interleaving the nibbles (DOT_NIBBLES)
-    WORD_NIBBLES: tl.constexpr,  # int4: B as 32-bit words, eight dots of K/8 (DOT_NIBBLES "words"; pointer path)
+    SPLIT_NIBBLES: tl.constexpr,  # int4: two half-K dots instead of interleaving the nibbles (KernelOptions.dot_nibbles)
+    WORD_NIBBLES: tl.constexpr,  # int4: B as 32-bit words, eight dots of K/8 (dot_nibbles "words"; pointer path)
     HAS_A_PERM: tl.constexpr,  # act order: K row k of A is column a_perm[e, k] (never with USE_TD_GATHER)
 ):
     """C[p, :] = (w_p if MUL_ROUTED_WEIGHT) * A[p // top_k] @ dequant(B[e_p]).T for routed pairs p.
@@ -508,7 +435,7 @@ def _fused_moe_wna16_pair_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,  # the loop's software pipeline depth (Triton pipelines non-dot loads only when asked)
-    FOLD_SCALES: tl.constexpr,  # dequant.py's _folded_dot_step; else dequantize the tile (PAIR_STEP_MATH)
+    FOLD_SCALES: tl.constexpr,  # dequant.py's _folded_dot_step; else dequantize the tile (KernelOptions.pair_step_math)
     # The tile form accumulates (BLOCK_N, BLOCK_K) float32 products elementwise and reduces along K once,
     # after the loop, up to BLOCK_SIZE_K = PAIR_ACC_MAX_K. Wider K tiles (longer contiguous runs of each
     # weight row per step) would not fit that accumulator in registers: they, and the folded form, reduce
@@ -634,25 +561,10 @@ def _interpret_bf16(dtype: torch.dtype) -> bool:
     return _is_interpreter() and dtype == torch.bfloat16
 
 
-@functools.lru_cache(maxsize=16)
-def _device_info(device: torch.device) -> tuple[str, int | None, str | None]:
-    """(platform, sm, device_name) for td_gate.decide_td and the tuned-config lookup; the
-    launcher's only hardware query, cached per device (no driver call on the hot path)."""
-    if _is_interpreter():
-        return "interpreter", None, None
-    if device.type == "cuda":
-        if torch.version.hip:
-            return "rocm", None, torch.cuda.get_device_name(device)
-        major, minor = torch.cuda.get_device_capability(device)
-        return "cuda", major * 10 + minor, torch.cuda.get_device_name(device)
-    if device.type == "xpu":
-        return "xpu", None, None
-    return "cpu", None, None
-
-
-def _platform_of(device: torch.device) -> tuple[str, int | None]:
-    """(platform, sm) for td_gate.decide_td."""
-    return _device_info(device)[:2]
+def device_spec(device: torch.device) -> DeviceSpec:
+    """The launch's device for td_gate.decide_td and the tuned-config lookup: the "interpreter" platform
+    when the kernels were defined under TRITON_INTERPRET=1, else DeviceSpec.of (read once per device)."""
+    return DeviceSpec("interpreter") if _is_interpreter() else DeviceSpec.of(device)
 
 
 def _aligned(*tensors: torch.Tensor | None) -> bool:
@@ -705,6 +617,7 @@ def invoke_wna16_gemm(
     topk_ids: torch.Tensor | None = None,  # (num_pairs,) int global ids: the routing when BLOCK_SIZE_M == 1
     expert_map: torch.Tensor | None = None,  # (E_global,) int, applied to topk_ids when BLOCK_SIZE_M == 1
     a_perm: torch.Tensor | None = None,  # (E, K) int32 contiguous: act order, K row k of A is a[:, a_perm[e, k]]
+    options: KernelOptions = DEFAULT_OPTIONS,  # dot_nibbles, pair_step_math
 ) -> torch.Tensor:
     """One grouped GEMM: c[p] = (w_p) * a[p // top_k] @ dequant(qweight[e_p]).T over the routed pairs.
 
@@ -779,9 +692,7 @@ def invoke_wna16_gemm(
         if topk_ids is None or c3.stride(2) != 1:
             raise ValueError("BLOCK_SIZE_M=1 (per pair) needs topk_ids and a row-contiguous c")
         grid = (num_pairs, triton.cdiv(N, config.BLOCK_SIZE_N), split)
-        # the folded int4 step reads B as 32-bit words: every row must start on a word
-        words_ok = bits == 8 or _rows_on_words(qweight)
-        fold = PAIR_STEP_MATH == "fold" and words_ok
+        fold = pair_step(bits, _rows_on_words(qweight), options.pair_step_math) == "fold"
         _fused_moe_wna16_pair_kernel[grid](
             topk_ids_ptr=topk_ids,
             expert_map_ptr=expert_map if expert_map is not None else topk_ids,
@@ -796,7 +707,7 @@ def invoke_wna16_gemm(
     # At most num_pairs non-empty M-blocks exist, so blocks past num_pairs * BLOCK_SIZE_M are never live.
     em_grid = min(sorted_token_ids.numel(), num_pairs * bm)
     grid = (triton.cdiv(em_grid, bm) * triton.cdiv(N, bn), split)
-    form = _dot_form(bits, config, K, qweight, td)
+    form = dot_form(bits, config, K, _rows_on_words(qweight), td.use_td_b, options.dot_nibbles)
     _fused_moe_wna16_kernel[grid](
         sorted_token_ids_ptr=sorted_token_ids,
         expert_ids_ptr=expert_ids,
@@ -847,14 +758,16 @@ def fused_moe_wna16_triton(
     align_fn: AlignFn | None = None,
     out: torch.Tensor | None = None,  # (M, H) x.dtype
     a_perm: torch.Tensor | None = None,  # (E, H) int32: act order (backends.base.sort_act_order)
+    options: KernelOptions = DEFAULT_OPTIONS,
 ) -> torch.Tensor:
     """out[t] = sum_j w[t,j] * W2[e] @ act(W13[e] @ x[t]), e = topk_ids[t,j]; (M, H) in x.dtype.
 
     Same contract as reference.fused_moe_wna16_ref. Pairs routed to an expert that
     expert_map marks -1 contribute 0. use_td: None = td_gate decides (VLLM_TRITON_USE_TD,
     tuned config), True = force where it can compile (incl. the interpreter), False =
-    pointers. configs: one config for both GEMMs or a (gemm1, gemm2) pair; default
-    configs.get_triton_moe_config. align_fn: moe_align_block_size(topk_ids, block_size,
+    pointers (default: options.use_td). configs: one config for both GEMMs or a (gemm1, gemm2) pair; default
+    configs.triton_launch (tuned entries of options.config_dir or the shipped ones, else the heuristic).
+    options: the kernels' forms (KernelOptions.dot_nibbles, pair_step_math). align_fn: moe_align_block_size(topk_ids, block_size,
     num_experts, expert_map) -> (sorted_token_ids, expert_ids, num_tokens_post_padded).
 
     GPU work per call, no host sync (CUDA-graph capturable): one align launch per distinct
@@ -896,8 +809,11 @@ def fused_moe_wna16_triton(
     if global_num_experts == -1:
         global_num_experts = expert_map.numel() if expert_map is not None else E
     align_fn = align_fn or moe_align_block_size_torch
+    if use_td is None:
+        use_td = options.use_td
     requested = use_td if use_td is not None else td_request_from_env()
-    platform, sm, device_name = _device_info(x.device)
+    device = device_spec(x.device)
+    platform, sm = device.platform, device.sm
     if platform == "cpu":
         raise ValueError(
             f"x is on {x.device}: the Triton kernel needs a CUDA or XPU device (or TRITON_INTERPRET=1 "
@@ -905,8 +821,10 @@ def fused_moe_wna16_triton(
         )
 
     cfg1, cfg2 = _as_pair(configs)
-    cfg1 = cfg1 or get_triton_moe_config(M, E, two_i, H, top_k, H // w13_scales.shape[-1], bits, device_name)
-    cfg2 = cfg2 or get_triton_moe_config(M, E, H, inter, top_k, inter // w2_scales.shape[-1], bits, device_name)
+    if cfg1 is None or cfg2 is None:
+        chosen = triton_launch(M, E, H, inter, top_k, H // w13_scales.shape[-1], inter // w2_scales.shape[-1],
+                               bits, device.name, options.config_dir).configs  # fmt: skip
+        cfg1, cfg2 = cfg1 or chosen[0], cfg2 or chosen[1]
 
     x, topk_weights, topk_ids, expert_map = routing_contiguous(x, topk_weights, topk_ids, expert_map)
     weights_flat = topk_weights.view(-1)  # the kernels index pairs as ptr + pair: contiguous only
@@ -943,6 +861,7 @@ def fused_moe_wna16_triton(
             topk_ids=ids_flat,
             expert_map=expert_map,
             a_perm=perm,
+            options=options,
         )
         return c
 

@@ -1,0 +1,257 @@
+"""The launch plan (vllm_wna16_plugin/launch_plan.py): pure, legal on every real shape, and what runs.
+
+The sweep plans every batch size of doctor's table for the routed-experts layers of public MoE models at
+TP 1/2/4/8, int4 and int8, grouped and channel-wise, on the H200 (the device whose tables ship), and
+checks each plan against the rules its kernels enforce (the compiled CUDA launch rules where the
+extension is built). Under the Triton interpreter a layer's runner is checked to launch exactly what its
+plan says, and a `cuda` layer under auto to hand batches outside its crossover to `triton`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from vllm_wna16_plugin import crossover
+from vllm_wna16_plugin.backends import MoEProblem, RunOptions
+from vllm_wna16_plugin.backends.base import layer_device
+from vllm_wna16_plugin.checkpoint_config import effective_group_size
+from vllm_wna16_plugin.kernels.cuda_ops import ALIGN_MAX_PAIRS, CudaLaunch, extension_error, launch_config_error
+from vllm_wna16_plugin.kernels.options import PLAN_DEVICES, DeviceSpec, KernelOptions
+from vllm_wna16_plugin.kernels.triton.configs import TritonLaunch
+from vllm_wna16_plugin.launch_plan import LayerRunner, plan, plan_backends
+from vllm_wna16_plugin.oracle import select_backend
+from vllm_wna16_plugin.scheme import CHANNELWISE, PackFormat, WNA16Scheme
+from vllm_wna16_plugin.tools.doctor import BATCH_SIZES
+
+H200 = PLAN_DEVICES["sm90"]
+PLAN_ONLY = RunOptions(plan_only=True)
+
+# (E, top_k, hidden, moe_intermediate) of public config.json files
+REAL_MOE_LAYERS = {
+    "Qwen3-30B-A3B": (128, 8, 2048, 768),
+    "Qwen3-235B-A22B": (128, 8, 4096, 1536),
+    "Qwen3-Next-80B-A3B": (512, 10, 2048, 512),
+    "Qwen2-57B-A14B": (64, 8, 3584, 2560),
+    "Qwen1.5-MoE-A2.7B": (60, 4, 2048, 1408),
+    "Mixtral-8x7B": (8, 2, 4096, 14336),
+    "Mixtral-8x22B": (8, 2, 6144, 16384),
+    "DeepSeek-V2-Lite": (64, 6, 2048, 1408),
+    "DeepSeek-V3": (256, 8, 7168, 2048),
+    "OLMoE-1B-7B": (64, 8, 2048, 1024),
+    "Phi-3.5-MoE": (16, 2, 4096, 6400),
+    "granite-3.1-3b-a800m": (40, 8, 1536, 512),
+    "Llama-4-Scout": (16, 1, 5120, 8192),
+    "GLM-4.5-Air": (128, 8, 4096, 1408),
+    "ERNIE-4.5-21B-A3B": (64, 6, 2560, 1536),
+    "dbrx": (16, 4, 6144, 10752),
+}
+
+
+def layer_problem(E, top_k, H, inter, tp, bits, gs, device=H200, options=PLAN_ONLY):
+    """One rank's MoEProblem as the plugin's layer builds it (effective group sizes per GEMM), or None
+    where loading refuses the TP size."""
+    scheme = WNA16Scheme(bits, gs, False, PackFormat.GPTQ, source="test")
+    if inter % tp:
+        return None
+    try:
+        gs13 = effective_group_size(scheme, H, layer="gate/up")
+        gs2 = effective_group_size(scheme, inter // tp, layer="down", tp_size=tp, full_size_k=inter)
+    except ValueError:
+        return None
+    return MoEProblem(scheme=scheme, hidden=H, intermediate=inter // tp, num_experts=E, global_num_experts=E,
+                      top_k=top_k, group_size_w13=gs13, group_size_w2=gs2, platform=device.platform, sm=device.sm,
+                      options=options)  # fmt: skip
+
+
+def check_cuda_plan(problem: MoEProblem, p, m: int) -> None:
+    launch = p.launch
+    assert isinstance(launch, CudaLaunch), p
+    opts = problem.options.kernel
+    for cfg, k, gs in ((launch.gemm1, problem.hidden, problem.group_size_w13),
+                       (launch.gemm2, problem.intermediate, problem.group_size_w2)):  # fmt: skip
+        assert cfg.block_size_m == launch.gemm1.block_size_m <= opts.cuda_max_block_m  # one alignment
+        if extension_error() is None:  # the compiled rules the launcher checks every launch against
+            assert launch_config_error(k, k // gs, cfg, problem.scheme.bits) == "", (problem.describe(), m, cfg)
+    assert launch.kernel1 != "stream" or launch.fuse_activation
+    assert launch.own_align == (m * problem.top_k <= ALIGN_MAX_PAIRS)
+    assert launch.programmatic  # sm90
+    assert [g.gemm for g in p.gemms] == ["gate/up", "down"] and all("cuda" in g.kernel for g in p.gemms)
+
+
+def check_triton_plan(problem: MoEProblem, p) -> None:
+    launch = p.launch
+    assert isinstance(launch, TritonLaunch), p
+    for choice, k, gs in ((launch.gemm1, problem.hidden, problem.group_size_w13),
+                          (launch.gemm2, problem.intermediate, problem.group_size_w2)):  # fmt: skip
+        choice.config.check_shape(k, gs)
+        assert choice.source.startswith(("tuned E=", "default_config heuristic")), choice.source
+    for g in p.gemms:
+        assert g.source and g.form and g.tensor_descriptors == "off"  # sm90 auto: TD only where a tuned entry says
+
+
+def test_plans_of_real_models_at_every_tp_and_batch_size_are_legal_and_explain_themselves():
+    planned = {"cuda": 0, "triton": 0}
+    for name, (E, top_k, H, inter) in REAL_MOE_LAYERS.items():
+        for tp in (1, 2, 4, 8):
+            for bits, gs in ((4, 128), (4, 32), (4, CHANNELWISE), (8, 64)):
+                problem = layer_problem(E, top_k, H, inter, tp, bits, gs)
+                if problem is None:
+                    continue
+                selection = select_backend(problem)
+                key = crossover.layer_key(E, H, inter // tp, gs, bits)
+                ranges = crossover.cuda_m_ranges(key, H200.name)
+                for m in BATCH_SIZES:
+                    p = plan(problem, m, H200, selection=selection)
+                    assert p == plan(problem, m, H200)  # pure: the same plan from the same inputs
+                    assert p.layer_backend == selection.backend.name and p.num_tokens == m
+                    want = "cuda" if selection.backend.name == "cuda" and crossover.in_ranges(m, ranges) else "triton"
+                    assert p.backend == want, (name, tp, bits, gs, m, p.why)
+                    (check_cuda_plan(problem, p, m) if p.backend == "cuda" else check_triton_plan(problem, p))
+                    text = p.describe()
+                    assert text.startswith(f"M={m}: {p.backend}") and "why: layer backend" in text
+                    planned[p.backend] += 1
+    assert planned["triton"] > 2000 and planned["cuda"] > 10, planned  # the shipped crossovers engage somewhere
+
+
+def test_an_explicit_cuda_layer_plans_cuda_at_every_batch_size():
+    problem = layer_problem(8, 2, 4096, 14336, 1, 4, 128, options=RunOptions(plan_only=True, explicit=True))
+    selection = select_backend(problem, "cuda", "test")
+    assert plan_backends(selection) == ("cuda",)
+    for m in BATCH_SIZES:
+        p = plan(problem, m, H200, selection=selection)
+        assert p.backend == "cuda"
+        check_cuda_plan(selection.problem, p, m)
+        assert not any("crossover" in w for w in p.why)
+
+
+def test_kernel_options_reach_the_plan():
+    problem = layer_problem(128, 8, 2048, 768, 1, 4, 128)
+    tiles = dataclasses.replace(problem, options=RunOptions(plan_only=True, kernel=KernelOptions(cuda_stream=False)))
+    assert plan(problem, 16, H200).launch.kernel1 == "stream"  # inside Qwen3-30B-A3B's measured range
+    assert plan(tiles, 16, H200).launch.kernel1 == "auto"
+    plain = dataclasses.replace(problem, options=RunOptions(plan_only=True, kernel=KernelOptions(own_align=False)))
+    assert plan(plain, 16, H200).align == "vLLM moe_align_block_size"
+    split = dataclasses.replace(problem, options=RunOptions(plan_only=True, kernel=KernelOptions(dot_nibbles="split")))
+    assert plan(split, 128, H200).gemms[0].form == "split dot"  # a tuned 16x64x128 tile: words by default
+    assert plan(problem, 128, H200).gemms[0].form == "words dot"
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("dot_nibbles", "nibbles"), ("pair_step_math", "dequant"), ("cuda_kernel", "stream"), ("cuda_max_block_m", 3),
+     ("use_td", "yes"), ("cuda_ctas_per_sm", 0)],
+)  # fmt: skip
+def test_bad_kernel_options_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        KernelOptions(**{field: value})
+
+
+def test_plan_refuses_a_batch_that_is_not_a_positive_int():
+    problem = layer_problem(8, 2, 4096, 14336, 1, 4, 128)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="num_tokens"):
+            plan(problem, bad, H200)
+
+
+def test_layer_device_of_a_described_problem_is_the_plan_device():
+    assert layer_device(layer_problem(8, 2, 4096, 14336, 1, 4, 128)) == H200
+    sm80 = layer_problem(8, 2, 4096, 14336, 1, 4, 128, device=PLAN_DEVICES["sm80"])
+    assert layer_device(sm80).name is None  # no tables: auto never takes cuda there
+    named = dataclasses.replace(sm80, options=RunOptions(plan_only=True, device_name="NVIDIA A100"))
+    assert layer_device(named).name == "NVIDIA A100"
+    assert select_backend(sm80).backend.name == "triton"
+
+
+# ---------------------------------------------------------------- what runs is what was planned
+
+
+@pytest.mark.interpreter
+def test_the_runner_launches_the_configs_its_plan_names(monkeypatch):
+    from vllm_wna16_plugin.kernels.triton import fused_moe
+    from vllm_wna16_plugin.ops import make_problem
+    from vllm_wna16_plugin.reference import fused_moe_wna16_ref
+
+    from .kernels.conftest import assert_close_scaled, make_moe_problem
+
+    p = make_moe_problem(M=5, H=128, inter=64, E=4, top_k=2, bits=4, gs1=32, gs2=32, zp=False, dtype=torch.bfloat16)
+    args, kw = p.args(), p.kwargs()
+    problem = make_problem(args[0], *args[1:5], args[6], bits=4, group_size=32, has_zero_point=False)
+    selection = select_backend(problem, "triton", "test")
+    from vllm_wna16_plugin.backends import KernelTensors
+
+    runner = LayerRunner(selection, KernelTensors(*args[1:5]))
+    launched = []
+    real = fused_moe.invoke_wna16_gemm
+    monkeypatch.setattr(fused_moe, "invoke_wna16_gemm", lambda *a, **k: launched.append(k["config"]) or real(*a, **k))
+    out = runner.run(args[0], args[5], args[6])
+    planned = runner.plan(5)
+    assert planned.device == DeviceSpec("interpreter") and planned.backend == "triton"
+    assert launched == list(planned.launch.configs)
+    assert_close_scaled(out, fused_moe_wna16_ref(*args, **kw), torch.bfloat16, "runner")
+    assert runner.plan(5) is planned  # one plan per batch size
+
+
+@pytest.mark.interpreter
+def test_a_tuned_config_dir_in_the_options_is_what_the_plan_and_the_launch_use(tmp_path, monkeypatch):
+    from vllm_wna16_plugin.backends import KernelTensors
+    from vllm_wna16_plugin.kernels.triton import configs, fused_moe
+    from vllm_wna16_plugin.ops import make_problem
+
+    from .kernels.conftest import make_moe_problem
+
+    p = make_moe_problem(M=3, H=128, inter=64, E=4, top_k=2, bits=4, gs1=32, gs2=32, zp=False, dtype=torch.bfloat16)
+    args = p.args()
+    # the interpreter has no device name; a plan for a named device reads that device's tuned files
+    entry = configs.TritonMoEConfig(16, 32, 32, num_warps=2)
+    for n, k in ((128, 128), (128, 64)):
+        (tmp_path / configs.config_file_name(4, n, k, 32, 4, "GPU X")).write_text(json.dumps({"3": entry.to_dict()}))
+    options = RunOptions(explicit=True, device_name="GPU X", kernel=KernelOptions(config_dir=tmp_path))
+    problem = dataclasses.replace(
+        make_problem(args[0], *args[1:5], args[6], bits=4, group_size=32, has_zero_point=False), options=options
+    )
+    runner = LayerRunner(select_backend(problem, "triton", "test"), KernelTensors(*args[1:5]))
+    planned = runner.plan(3)
+    assert planned.launch.configs == (entry, entry)
+    assert all(g.source.startswith("tuned E=4") and "at M=3" in g.source for g in planned.gemms)
+    launched = []
+    real = fused_moe.invoke_wna16_gemm
+    monkeypatch.setattr(fused_moe, "invoke_wna16_gemm", lambda *a, **k: launched.append(k["config"]) or real(*a, **k))
+    runner.run(args[0], args[5], args[6])
+    assert launched == [entry, entry]
+
+
+def test_a_cuda_layer_under_auto_hands_batches_outside_its_crossover_to_triton(tmp_path, monkeypatch):
+    # the composition is the plan's: the cuda backend never calls triton itself
+    from vllm_wna16_plugin.backends import KernelTensors, registry
+    from vllm_wna16_plugin.backends.cuda import CudaBackend
+    from vllm_wna16_plugin.backends.triton import TritonBackend
+
+    monkeypatch.setattr(crossover, "CROSSOVER_DIR", tmp_path)
+    E, top_k, H, inter = 4, 2, 256, 128
+    crossover.write_crossovers({crossover.layer_key(E, H, inter, 32, 4): {"cuda_m_ranges": [[2, 4]]}}, "GPU X",
+                               tmp_path)  # fmt: skip
+    problem = layer_problem(E, top_k, H, inter, 1, 4, 32, options=RunOptions(plan_only=True, device_name="GPU X"))
+    selection = select_backend(problem)
+    assert selection.backend.name == "cuda" and plan_backends(selection) == ("cuda", "triton")
+    ran = []
+    for cls in (CudaBackend, TritonBackend):
+        monkeypatch.setattr(cls, "run", lambda self, *a, plan=None, **k: ran.append((self.name, plan.num_tokens)))
+    g = torch.Generator().manual_seed(3)
+    tensors = KernelTensors(
+        torch.randint(0, 255, (E, 2 * inter, H // 2), dtype=torch.uint8, generator=g),
+        torch.randint(0, 255, (E, H, inter // 2), dtype=torch.uint8, generator=g),
+        torch.rand(E, 2 * inter, H // 32, generator=g).bfloat16(),
+        torch.rand(E, H, inter // 32, generator=g).bfloat16(),
+    )
+    runner = LayerRunner(selection, tensors)
+    assert set(runner.states) == {"cuda", "triton"}
+    assert runner.states["cuda"].w13_qweight is tensors.w13_qweight  # the packed weights are shared
+    for m in (1, 2, 4, 5):
+        ids = torch.randint(0, E, (m, top_k), generator=g, dtype=torch.int32)
+        runner.run(torch.randn(m, H).bfloat16(), torch.rand(m, top_k), ids)
+    assert ran == [("triton", 1), ("cuda", 2), ("cuda", 4), ("triton", 5)]
+    assert set(registry()) >= {"cuda", "triton"}

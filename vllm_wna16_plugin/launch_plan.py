@@ -1,0 +1,237 @@
+"""What runs for one batch of one MoE layer, and why: the launch plan.
+
+    plan(problem, num_tokens, device) -> LaunchPlan(backend, launch, gemms, align, programmatic, why)
+
+A pure function of the layer (MoEProblem: scheme, shapes, options), the batch size and the device
+(kernels.options.DeviceSpec): no tensors and no GPU, so `vllm-wna16 doctor` prints it for a model
+on any machine and a CPU test sweeps it over real models' shapes. It composes the backends: the
+layer's backend is the oracle's (oracle.select_backend); under `auto` a `cuda` layer runs the batch
+sizes inside its measured crossover (crossover.py) on the CUDA kernel and the others on Triton. The
+kernel-level launch (configs.TritonLaunch or cuda_ops.CudaLaunch) is what the launcher runs: the
+same functions choose it whether a plan asks or the launcher does, so what doctor prints is what
+runs. Each GEMM row says where its numbers came from (a tuned file and its M, or a heuristic).
+
+LayerRunner holds a layer's selection, the prepared state of each backend its plans can name, and
+one plan per batch size seen; moe_method.apply and ops.fused_moe_wna16 run through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_wna16_plugin import crossover
+from vllm_wna16_plugin.backends import Backend, KernelTensors, MoEProblem, registry
+from vllm_wna16_plugin.backends.base import layer_device
+from vllm_wna16_plugin.kernels.options import DeviceSpec
+from vllm_wna16_plugin.oracle import Selection, select_backend
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """One GEMM of a plan, for people: kernel, tile (BLOCK_SIZE_M, N, K), split, warps, stages, form
+    ("fold" / "tile" per pair, "words" / "split" / "interleave" dots, "silu fused"), tensor descriptors
+    and the source of the numbers."""
+
+    gemm: str  # "gate/up" | "down"
+    kernel: str
+    tile: tuple[int, int, int]
+    split_k: int = 1
+    num_warps: int | None = None
+    num_stages: int | None = None
+    form: str = ""
+    tensor_descriptors: str = "off"
+    source: str = ""
+
+    def describe(self) -> str:
+        m, n, k = self.tile
+        parts = [f"{self.gemm:7s} {self.kernel:15s} tile {m}x{n}x{k}"]
+        if self.split_k > 1:
+            parts.append(f"split_k {self.split_k}")
+        if self.num_warps is not None:
+            parts.append(f"{self.num_warps} warps, {self.num_stages} stages")
+        if self.form:
+            parts.append(self.form)
+        if self.tensor_descriptors != "off":
+            parts.append(f"TD {self.tensor_descriptors}")
+        return ", ".join(parts) + (f"  [{self.source}]" if self.source else "")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What runs for `num_tokens` tokens: the backend (`layer_backend` is the layer's selection; a `cuda`
+    layer under auto runs batches outside its crossover on `triton`), the kernel-level launch the launcher
+    takes (None for backends that delegate to vLLM or the reference), the GEMMs as text, the token
+    alignment, whether the launches are programmatic, and why each choice was made."""
+
+    num_tokens: int
+    backend: str
+    layer_backend: str
+    device: DeviceSpec
+    launch: Any = None  # configs.TritonLaunch | cuda_ops.CudaLaunch | None
+    gemms: tuple[GemmPlan, ...] = ()
+    align: str = ""
+    programmatic: bool = False
+    why: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        head = f"M={self.num_tokens}: {self.backend}"
+        if self.align:
+            head += f"; align: {self.align}"
+        if self.programmatic:
+            head += "; programmatic launches"
+        lines = [head] + [f"    {g.describe()}" for g in self.gemms] + [f"    why: {w}" for w in self.why]
+        return "\n".join(lines)
+
+
+def _triton_gemms(problem: MoEProblem, m: int, device: DeviceSpec, launch) -> tuple[GemmPlan, ...]:
+    from vllm_wna16_plugin.kernels.triton.configs import dot_form, pair_step
+    from vllm_wna16_plugin.kernels.triton.td_gate import decide_td, td_request_from_env
+
+    opts = problem.options.kernel
+    requested = opts.use_td if opts.use_td is not None else td_request_from_env()
+    bits = problem.scheme.bits
+    rows = []
+    for gemm, choice, rows_a, k, perm in (
+        ("gate/up", launch.gemm1, m, problem.hidden, problem.has_g_idx),
+        ("down", launch.gemm2, m * problem.top_k, problem.intermediate, False),
+    ):
+        cfg = choice.config
+        # the kernel layout's rows are K*bits/8 bytes from a 16-byte aligned base (packing.py)
+        on_words = (k * bits // 8) % 4 == 0
+        td = decide_td(requested=requested, platform=device.platform, sm=device.sm, block_size_m=cfg.BLOCK_SIZE_M,
+                       block_size_k=cfg.BLOCK_SIZE_K, M=rows_a, K=k, bits=bits, config_use_td=cfg.use_td,
+                       a_permuted=perm)  # fmt: skip
+        if cfg.per_pair:
+            kernel, form = "triton per-pair", f"{pair_step(bits, on_words, opts.pair_step_math)} step"
+        else:
+            kernel, form = "triton tl.dot", f"{dot_form(bits, cfg, k, on_words, td.use_td_b, opts.dot_nibbles)} dot"
+        tds = "off" if not td.use_td_b else ("B + A-gather" if td.use_gather else "B")
+        rows.append(GemmPlan(gemm, kernel, (cfg.BLOCK_SIZE_M, cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K), cfg.SPLIT_K,
+                             cfg.num_warps, cfg.num_stages, form, tds, choice.source))  # fmt: skip
+    return tuple(rows)
+
+
+def _triton_plan(problem: MoEProblem, m: int, device: DeviceSpec, layer_backend: str, why: list[str]) -> LaunchPlan:
+    from vllm_wna16_plugin.kernels.triton.configs import triton_launch
+
+    launch = triton_launch(m, problem.num_experts, problem.hidden, problem.intermediate, problem.top_k,
+                           problem.group_size_w13, problem.group_size_w2, problem.scheme.bits, device.name,
+                           problem.options.kernel.config_dir)  # fmt: skip
+    gemms = _triton_gemms(problem, m, device, launch)
+    per_pair = launch.gemm1.config.per_pair and launch.gemm2.config.per_pair
+    align = "none (per-pair kernels)" if per_pair else "vLLM moe_align_block_size"
+    if not per_pair and device.platform == "interpreter":
+        align = "torch alignment (interpreter)"
+    return LaunchPlan(m, "triton", layer_backend, device, launch, gemms, align, False, tuple(why))
+
+
+def _cuda_plan(problem: MoEProblem, m: int, device: DeviceSpec, layer_backend: str, why: list[str]) -> LaunchPlan:
+    from vllm_wna16_plugin.kernels.cuda_ops import cuda_launch
+
+    opts = problem.options.kernel
+    groups1 = problem.hidden // problem.group_size_w13
+    groups2 = problem.intermediate // problem.group_size_w2
+    launch = cuda_launch(m, problem.top_k, problem.num_experts, problem.hidden, problem.intermediate, groups1,
+                         groups2, problem.scheme.bits, problem.global_num_experts, device, opts)  # fmt: skip
+    source = "cuda_ops.gemm_config rule"
+    names = {"auto": "cuda mma", "mma": "cuda mma", "gemv": "cuda gemv", "stream": "cuda stream"}
+    rows = []
+    for gemm, cfg, kernel, form in (
+        ("gate/up", launch.gemm1, launch.kernel1, f"{problem.activation} fused" if launch.fuse_activation else ""),
+        ("down", launch.gemm2, launch.kernel2, ""),
+    ):
+        rows.append(GemmPlan(gemm, names[kernel], (cfg.block_size_m, cfg.block_size_n, cfg.block_size_k),
+                             form=form, source=source))  # fmt: skip
+    if opts.cuda_kernel == "auto" and opts.cuda_stream and launch.gemm1.block_size_m <= 8:
+        verdict = ">=" if launch.kernel1 == "stream" else "<"
+        why.append(f"stream kernel: {launch.pairs_per_warp:.1f} pairs of K steps per warp {verdict} "
+                   f"{opts.cuda_stream_min_pairs_per_warp:g} (KernelOptions.cuda_stream_min_pairs_per_warp)")  # fmt: skip
+    align = "plugin one-block alignment (int32 ids)" if launch.own_align else "vLLM moe_align_block_size"
+    return LaunchPlan(m, "cuda", layer_backend, device, launch, tuple(rows), align, launch.programmatic, tuple(why))
+
+
+def plan(
+    problem: MoEProblem,
+    num_tokens: int,
+    device: DeviceSpec | None = None,
+    *,
+    selection: Selection | None = None,
+) -> LaunchPlan:
+    """The launch plan of `num_tokens` tokens through the layer `problem` on `device` (default: the
+    layer's, backends.base.layer_device). selection: the layer's (default: auto's, oracle.select_backend),
+    whose problem is the one planned. Raises ValueError where selection does (no backend can run it)."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"num_tokens={num_tokens!r} must be a positive int")
+    if selection is None:
+        selection = select_backend(problem)
+    problem = selection.problem
+    device = device or layer_device(problem)
+    layer_backend = selection.backend.name
+    asked = selection.source if selection.requested == "auto" else f"{selection.source}={selection.requested}"
+    why = [f"layer backend {layer_backend!r} ({asked})"]
+    runs = layer_backend
+    if layer_backend == "cuda" and not problem.options.explicit:
+        from vllm_wna16_plugin.backends.cuda import layer_key
+
+        ranges = crossover.cuda_m_ranges(layer_key(problem), device.name)
+        shown = ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges) or "none"
+        inside = crossover.in_ranges(num_tokens, ranges)
+        why.append(
+            f"M={num_tokens} {'inside' if inside else 'outside'} cuda's measured ranges {shown} on {device.name} "
+            f"(crossover/{crossover.crossover_file(device.name or '?').name})"
+        )
+        runs = "cuda" if inside else "triton"
+    if runs == "triton":
+        return _triton_plan(problem, num_tokens, device, layer_backend, why)
+    if runs == "cuda":
+        return _cuda_plan(problem, num_tokens, device, layer_backend, why)
+    why.append(selection.backend.description)
+    return LaunchPlan(num_tokens, runs, layer_backend, device, why=tuple(why))
+
+
+def plan_backends(selection: Selection) -> tuple[str, ...]:
+    """The backends a layer's plans can name: its own, and triton for a `cuda` layer under auto."""
+    name = selection.backend.name
+    if name == "cuda" and not selection.problem.options.explicit:
+        return ("cuda", "triton")
+    return (name,)
+
+
+class LayerRunner:
+    """One layer's selection, the prepared state of each backend its plans name, and its plan per batch size.
+
+    `run` looks the batch size's plan up (made once per size: the hot path is a dict lookup) and hands
+    the batch to that plan's backend with the plan."""
+
+    def __init__(self, selection: Selection, tensors: KernelTensors) -> None:
+        self.selection = selection
+        self.problem = selection.problem
+        self.device = layer_device(self.problem)
+        backends = registry()
+        self.backends: dict[str, Backend] = {n: backends[n] for n in plan_backends(selection)}
+        self.states: dict[str, Any] = {n: b.prepare(self.problem, tensors) for n, b in self.backends.items()}
+        self._plans: dict[int, LaunchPlan] = {}
+
+    def plan(self, num_tokens: int) -> LaunchPlan:
+        found = self._plans.get(num_tokens)
+        if found is None:
+            found = self._plans[num_tokens] = plan(self.problem, num_tokens, self.device, selection=self.selection)
+        return found
+
+    def run(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        expert_map: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        p = self._plans.get(x.shape[0]) or self.plan(max(1, x.shape[0]))
+        return self.backends[p.backend].run(
+            self.problem, self.states[p.backend], x, topk_weights, topk_ids, expert_map=expert_map, plan=p
+        )
+
+
+__all__ = ["GemmPlan", "LaunchPlan", "LayerRunner", "plan", "plan_backends"]

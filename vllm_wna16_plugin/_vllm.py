@@ -20,7 +20,7 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | FusedMoEConfig.tp_rank / tp_size / moe_backend | TP sharding and `--moe-backend` | 0.26-0.34 | - |
 | config.kernel.MoEBackend (Literal) | vLLM's `--moe-backend` names, for a precise refusal (`vllm_moe_backend_names`) | 0.26-0.34, names added over time (0.34: batched_triton, b12x, rdna3, ...) | - |
 | ...linear.LinearBase, UnquantizedLinearMethod | delegation of linear layers | 0.26-0.34 | - |
-| ...quantization.auto_gptq.AutoGPTQConfig, auto_awq.AutoAWQConfig, compressed_tensors.CompressedTensorsConfig | linear layers run vLLM's in-tree method of the format | 0.26-0.34 paths; from 0.30 GPTQ `desc_act` with groups and compressed-tensors `actorder: group` raise ValueError (we refuse per linear layer, naming it) | - |
+| ...quantization.auto_gptq.AutoGPTQConfig, auto_awq.AutoAWQConfig, compressed_tensors.CompressedTensorsConfig | linear layers run vLLM's in-tree method of the format | 0.26-0.34 paths; from 0.30 GPTQ `desc_act` with groups and compressed-tensors `actorder: group` raise ValueError (we refuse per linear layer, naming it); AutoGPTQConfig takes `sym: true` only (its TYPE_MAP), so `sym: false` linears go to gptq_linear.py | - |
 | transformers_utils.config.get_safetensors_params_metadata | which linear modules are stored quantized (as AutoGPTQConfig.maybe_update_config does) | 0.26-0.34 | - |
 | ...fused_moe.moe_align_block_size.moe_align_block_size | token alignment for our kernels on GPU; the humming backend's (`ignore_invalid_experts=True`) | 0.26-0.34 (0.34 adds optional keywords) | - |
 | ...fused_moe.moe_fused_mul_sum.moe_fused_mul_sum | the humming backend's top-k weighted sum (`align_and_weighted_sum_pieces`) | 0.26-0.34 | - |
@@ -28,6 +28,10 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | vllm._custom_ops.gptq_marlin_moe_repack | the `marlin` backend's weight repack | `(q, perm, k, n, bits)` 0.26-0.29; `(q, k, n, bits[, is_a_8bit])` 0.30-0.34 (`marlin_moe_repack`: "perm" in its signature) | - |
 | ...fused_moe.experts.marlin_moe.fused_marlin_moe + marlin_utils helpers, fused_moe.activation.MoEActivation, scalar_type.scalar_types | the `marlin` backend | `is_k_full`/`g_idx`/`sort_indices` keywords 0.26-0.29, gone 0.30-0.34 (`fused_marlin_moe_fn`: "is_k_full" in its signature) | - |
 | logger.configure_logging_if_needed, config.logging.LoggingConfig | our CLI tools' INFO lines in vLLM's format | absent 0.26-0.30 (vLLM configures at import); 0.31-0.34 configured lazily by entry points (`configure_logging`) | - |
+| ...linear.LinearMethodBase, register_weight_loader_v2_supported_method | our asymmetric-GPTQ linear method (gptq_linear.py) loads through vLLM's parameter classes (weight_loader_v2 is chosen by class name) | 0.26.0 and 0.34.0 checked, same form | - |
+| model_executor.parameter.PackedvLLMParameter / PackedColumnParameter / GroupQuantScaleParameter / ChannelQuantScaleParameter / RowvLLMParameter, model_executor.utils.replace_parameter | GPTQ-layout linear parameters sharded and merged (qkv, gate_up) exactly as vLLM's AutoGPTQLinearMethod creates them | 0.26.0 and 0.34.0 checked, same constructors | - |
+| kernels.linear.MPLinearLayerConfig + kernels.linear.mixed_precision.marlin.MarlinLinearKernel, scalar_type.scalar_types.uint4 | asymmetric GPTQ linears on vLLM's Marlin with integer (AWQ-style) zero points, as compressed-tensors' asymmetric W4A16 runs | 0.26.0: the config has a required `has_g_idx` and the kernel takes `w_gidx_param_name`; 0.34.0: neither (`marlin_zp_linear_kernel`: `dataclasses.fields`). Same zero-point input in both: the zp parameter's `.t()` is (G, N/pack) int32 packed along N, true zeros; `can_implement` takes uint4 only (no uint8 with zero points) | - |
+| vllm._custom_ops.gptq_gemm / gptq_shuffle | asymmetric GPTQ linears Marlin cannot take (int8, act order, other group sizes), float16 only: vLLM's exllama kernel reads GPTQ v1 or v2 zero points natively | 0.26.0: `(a, q, qzeros, scales, g_idx, use_exllama, use_v2_format, bit)`, `gptq_shuffle(q, perm, bit)`; 0.34.0: no `g_idx` / `perm` (no act order) (`gptq_exllama_ops`: "b_g_idx" in its signature) | - |
 | config.VllmConfig / DeviceConfig / set_current_vllm_config, distributed.init_distributed_environment / initialize_model_parallel | building our MoE layers on CPU without an engine (`vllm-wna16 demo` without a GPU, layer tests) | 0.26-0.34 | - |
 
 Every import is lazy (inside a function) so `import vllm_wna16_plugin` stays cheap and
@@ -229,6 +233,100 @@ def fused_moe_quant_config(bits: int, w13_scales, w2_scales, w13_zeros, w2_zeros
     return builder(
         w1_scale=w13_scales, w2_scale=w2_scales, w1_zp=w13_zeros, w2_zp=w2_zeros, block_shape=[0, group_size]
     )
+
+
+# ------------------------------------------------------------------ asymmetric GPTQ linear layers (gptq_linear.py)
+
+
+def linear_method_base():
+    return _get("vllm.model_executor.layers.linear", "LinearMethodBase")
+
+
+def register_weight_loader_v2(cls) -> None:
+    """Let vLLM's linear layers load `cls`'s parameters with weight_loader_v2 (the parameter classes' own
+    sharding); vLLM decides by class name, so registering twice is harmless but skipped."""
+    linear = importlib.import_module("vllm.model_executor.layers.linear")
+    if cls.__name__ not in linear.WEIGHT_LOADER_V2_SUPPORTED:
+        linear.register_weight_loader_v2_supported_method(cls)
+
+
+def vllm_parameter_classes() -> dict[str, Any]:
+    mod = importlib.import_module("vllm.model_executor.parameter")
+    names = ("PackedvLLMParameter", "PackedColumnParameter", "GroupQuantScaleParameter",
+             "ChannelQuantScaleParameter", "RowvLLMParameter")  # fmt: skip
+    return {name: getattr(mod, name) for name in names}
+
+
+def replace_parameter(layer, name: str, tensor) -> None:
+    _get("vllm.model_executor.utils", "replace_parameter")(layer, name, tensor)
+
+
+def _marlin_linear_kernel_cls():
+    return _get("vllm.model_executor.kernels.linear.mixed_precision.marlin", "MarlinLinearKernel")
+
+
+def _mp_linear_config(k_full: int, n_full: int, k_part: int, n_part: int, bits: int, act_dtype, group_size: int):
+    """vLLM's MPLinearLayerConfig for weights with integer zero points (uint4/uint8), no act order."""
+    cfg_cls = _get("vllm.model_executor.kernels.linear", "MPLinearLayerConfig")
+    scalar_types = _get("vllm.scalar_type", "scalar_types")
+    kwargs = dict(
+        full_weight_shape=(k_full, n_full),
+        partition_weight_shape=(k_part, n_part),
+        weight_type=scalar_types.uint4 if bits == 4 else scalar_types.uint8,
+        act_type=act_dtype,
+        group_size=group_size,
+        zero_points=True,
+    )
+    if "has_g_idx" in {f.name for f in dataclasses.fields(cfg_cls)}:  # 0.26: a required field
+        kwargs["has_g_idx"] = False
+    return cfg_cls(**kwargs)
+
+
+def marlin_zp_linear_verdict(
+    k_full: int, n_full: int, k_part: int, n_part: int, bits: int, act_dtype, group_size: int, sm: int | None
+) -> str | None:
+    """Why vLLM's MarlinLinearKernel cannot run this layer with integer zero points (None: it can).
+
+    Its own rules: the capability, then `can_implement` (platform, weight type, group size, TP split)."""
+    kernel = _marlin_linear_kernel_cls()
+    if sm is not None and sm < kernel.get_min_capability():
+        return f"needs compute capability {kernel.get_min_capability()}+ (this GPU is sm{sm})"
+    cfg = _mp_linear_config(k_full, n_full, k_part, n_part, bits, act_dtype, group_size)
+    ok, reason = kernel.can_implement(cfg)
+    return None if ok else f"vLLM's MarlinLinearKernel: {reason}"
+
+
+def marlin_zp_linear_kernel(
+    k_full: int, n_full: int, k_part: int, n_part: int, bits: int, act_dtype, group_size: int, *, qweight: str,
+    scales: str, qzeros: str,
+):  # fmt: skip
+    """A MarlinLinearKernel over the layer's parameters named qweight (GPTQ layout), scales (G, N) and qzeros
+    (the parameter whose `.t()` is (G, N/pack) int32 packed along N, true zero points): the same object
+    compressed-tensors' asymmetric W4A16 scheme builds. Its process_weights_after_loading repacks for
+    Marlin; apply_weights(layer, x, bias) runs the GEMM."""
+    cfg = _mp_linear_config(k_full, n_full, k_part, n_part, bits, act_dtype, group_size)
+    return _marlin_linear_kernel_cls()(cfg, w_q_param_name=qweight, w_s_param_name=scales, w_zp_param_name=qzeros)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExllamaOps:
+    """vLLM's exllama GPTQ ops with one signature across versions; takes_g_idx: act order is possible."""
+
+    takes_g_idx: bool
+    gemm: Any  # (x, qweight, qzeros, scales, g_idx | None, use_exllama, use_v2_format, bits) -> out
+    shuffle: Any  # (qweight, perm | None, bits) -> None, in place
+
+
+def gptq_exllama_ops() -> ExllamaOps:
+    ops = vllm_custom_ops()
+    takes_g_idx = "b_g_idx" in inspect.signature(ops.gptq_gemm).parameters
+    if takes_g_idx:  # 0.26: act order through g_idx (an empty tensor: none)
+        return ExllamaOps(True, ops.gptq_gemm, ops.gptq_shuffle)
+
+    def gemm(x, qweight, qzeros, scales, g_idx, use_exllama, use_v2_format, bits):
+        return ops.gptq_gemm(x, qweight, qzeros, scales, use_exllama, use_v2_format, bits)
+
+    return ExllamaOps(False, gemm, lambda qweight, perm, bits: ops.gptq_shuffle(qweight, bits))
 
 
 # ------------------------------------------------------------------ layer facts

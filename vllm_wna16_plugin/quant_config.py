@@ -2,7 +2,8 @@
 
 It claims a checkpoint only when the user asked for `moe_wna16_plus`, owns every
 routed-experts layer (MoE method in moe_method.py) and delegates linear layers
-to vLLM's in-tree method of the checkpoint's format.
+to vLLM's in-tree method of the checkpoint's format, except asymmetric GPTQ
+ones, which vLLM's GPTQ method refuses (gptq_linear.py runs those).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from typing import Any
 import torch
 
 from vllm_wna16_plugin import _vllm
-from vllm_wna16_plugin.checkpoint_config import CheckpointQuantConfig, parse_quantization_config
+from vllm_wna16_plugin.checkpoint_config import (
+    DEFAULT_FUSED_MAPPING,
+    CheckpointQuantConfig,
+    parse_quantization_config,
+)
 
 QUANTIZATION_NAME = "moe_wna16_plus"
 
@@ -149,10 +154,13 @@ def make_config_class():
 
                 return make_moe_method(scheme, layer.moe_config, prefix)
             if isinstance(layer, _vllm.linear_base_cls()):
-                if self.parsed.scheme_for(prefix, fused_mapping=fused, moe=False) is None or not (
-                    self._stored_quantized(prefix)
-                ):
+                scheme = self.parsed.scheme_for(prefix, fused_mapping=fused, moe=False)
+                if scheme is None or not self._stored_quantized(prefix):
                     return _vllm.unquantized_linear_method()
+                from vllm_wna16_plugin.gptq_linear import make_gptq_asym_linear_method, owns_linear
+
+                if owns_linear(self.parsed.quant_method, scheme):  # vLLM's GPTQ method is symmetric-only
+                    return make_gptq_asym_linear_method(scheme, prefix, fused or DEFAULT_FUSED_MAPPING)
                 return self._linear_method(layer, prefix)
             return None
 

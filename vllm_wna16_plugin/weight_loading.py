@@ -168,6 +168,16 @@ def check_gptq_v1_zeros(
     )
 
 
+def gptq_zero_points(scheme: WNA16Scheme, qzeros: torch.Tensor, name: str | TensorName) -> torch.Tensor:
+    """GPTQ qzeros (G, N/pack) int32 -> the zero points (N, G) int32: unpacked along N, and v1's stored
+    zero - 1 undone (`scheme.zero_point_offset`), a v1 zero of 2**bits refused (check_gptq_v1_zeros). The MoE
+    loader and the asymmetric GPTQ linear layers (gptq_linear.py) both read GPTQ zero points through here."""
+    z = unpack_along(qzeros, scheme.bits, dim=1, word_bits=32).T
+    if scheme.zero_point_offset:
+        check_gptq_v1_zeros(z, scheme.bits, name)
+    return z + scheme.zero_point_offset
+
+
 def check_signed_zeros(zeros: torch.Tensor, bits: int, name: str | TensorName) -> None:
     """Unpacked compressed-tensors zero points are signed: in [-2**(bits-1), 2**(bits-1))."""
     lo_ok, hi_ok = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
@@ -226,10 +236,7 @@ def unpack_checkpoint_tensor(
             return unpack_along(tensor, bits, dim=0, word_bits=32).T
         if kind == "qzeros":
             _check(name, tensor, (g, n // pf), _INT32)
-            z = unpack_along(tensor, bits, dim=1, word_bits=32).T
-            if scheme.zero_point_offset:
-                check_gptq_v1_zeros(z, bits, name)
-            return z + scheme.zero_point_offset
+            return gptq_zero_points(scheme, tensor, name)
     if fmt is PackFormat.AWQ:
         if kind == "qweight":
             _check(name, tensor, (k, n // pf), _INT32)

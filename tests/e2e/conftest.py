@@ -111,10 +111,12 @@ def e2e_jobs() -> int:
 
 def _llm_spec(model: Path, *, backend: str | None = None, quantization: str | None = "moe_wna16_plus",
               eager: bool = False, tp: int = 1, moe_backend: str = "auto", prompts=None,
-              max_tokens: int = 16) -> tuple[str, dict, str | None]:  # fmt: skip
+              max_tokens: int = 16, dtype: str | None = None) -> tuple[str, dict, str | None]:  # fmt: skip
     tag = f"{backend or moe_backend}-{quantization}-tp{tp}-{'eager' if eager else 'graphs'}"
     spec = dict(model=str(model), quantization=quantization, prompts=prompts or PROMPTS, eager=eager, tp=tp,
                 moe_backend=moe_backend, max_tokens=max_tokens)  # fmt: skip
+    if dtype is not None:  # vLLM's --dtype; the checkpoint's own (bfloat16) when None
+        tag, spec["dtype"] = f"{tag}-{dtype}", dtype
     return tag, spec, backend
 
 
@@ -165,7 +167,7 @@ def start_llm(model: Path, tmp_path: Path, **kwargs) -> None:
 def run_llm(model: Path, tmp_path: Path, **kwargs) -> Run:
     """LLM(model, quantization=...) greedy on `prompts` in a fresh process; backend sets VLLM_WNA16_PLUS_BACKEND.
 
-    Keywords: backend, quantization, eager, tp, moe_backend, prompts, max_tokens, timeout. A run
+    Keywords: backend, quantization, eager, tp, moe_backend, prompts, max_tokens, dtype, timeout. A run
     started earlier by start_llm with the same arguments is waited for instead of run again."""
     started = _STARTED.get(_key(model, **kwargs))
     return started.result() if started is not None else _run_llm_now(model, tmp_path, **kwargs)
@@ -230,6 +232,38 @@ def rotate_experts(src: Path, dst: Path) -> Path:
                 m = pattern.match(k)
                 rotated[f"{m.group(1)}{(int(m.group(2)) - 1) % len(ids)}{m.group(3)}" if m else k] = v
             save_file(rotated, f, metadata={"format": "pt"})
+    return dst
+
+
+def dequantize_attention(src: Path, dst: Path) -> Path:
+    """A copy of GPTQ checkpoint `src` whose attention projections hold the float weights their GPTQ tensors
+    dequantize to (bfloat16, under `.weight`), excluded from quantization by GPTQModel's negative `dynamic`
+    rule: the same model with float attention, the reference for the asymmetric GPTQ linear layers."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from vllm_wna16_plugin.checkpoint_config import GPTQ_CHECKPOINT_FORMATS
+    from vllm_wna16_plugin.packing import dequantize, unpack_gptq
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    qc = config["quantization_config"]
+    if qc.get("quant_method") != "gptq" or qc.get("desc_act"):
+        raise ValueError(f"{src}: dequantize_attention reads GPTQ checkpoints without desc_act")
+    offset = GPTQ_CHECKPOINT_FORMATS[qc.get("checkpoint_format", "gptq")]
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name in [k for k in tensors if re.search(r"\.self_attn\.[qkvo]_proj\.qweight$", k)]:
+            p = name.removesuffix(".qweight")
+            qw = unpack_gptq(tensors.pop(f"{p}.qweight"), tensors.pop(f"{p}.qzeros"), tensors.pop(f"{p}.scales"),
+                             qc["bits"], offset, has_zero_point=not qc["sym"])  # fmt: skip
+            tensors.pop(f"{p}.g_idx", None)
+            tensors[f"{p}.weight"] = dequantize(qw).to(torch.bfloat16).contiguous()
+        save_file(tensors, f, metadata={"format": "pt"})
+    qc["dynamic"] = {**(qc.get("dynamic") or {}), "-:.*self_attn.*": {}}
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return dst
 
 

@@ -3,7 +3,7 @@
     python tests/e2e/llm_runner.py SPEC_JSON OUT_JSON
 
 SPEC: {"model": path, "quantization": "moe_wna16_plus" | "moe_wna16" | ..., "prompts": [...],
-       "max_tokens": 16, "eager": false, "moe_backend": "auto", "tp": 1, "logprobs": 5}
+       "max_tokens": 16, "eager": false, "moe_backend": "auto", "tp": 1, "logprobs": 5, "dtype": "auto"}
 The plugin backend, if any, comes from VLLM_WNA16_PLUS_BACKEND in the environment.
 OUT: {"ok": true, "tokens": [[...]], "text": [...], "first_logprobs": [{token: logprob}],
      "step_logprobs": [[{token: logprob} per step] per prompt], "seconds": s}
@@ -51,6 +51,7 @@ def make_llm(spec: dict):
         model=spec["model"],
         tokenizer=spec["model"],
         quantization=spec.get("quantization"),
+        dtype=spec.get("dtype", "auto"),
         moe_backend=spec.get("moe_backend", "auto"),
         tensor_parallel_size=spec.get("tp", 1),
         max_model_len=256,

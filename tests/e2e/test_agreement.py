@@ -134,3 +134,38 @@ def test_rotate_experts_moves_every_expert_one_down(tmp_path):
         assert torch.equal(value, before[f"{head}.experts.{(int(e) + 1) % 4}.{tail}"]), key
         moved += 1
     assert moved >= 2 * 4 * 3  # layers x experts x (gate, up, down) tensors at least
+
+
+@pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2"])
+def test_dequantize_attention_stores_the_float_weights_of_the_gptq_attention(tmp_path, checkpoint_format):
+    """The float twin of the asymmetric GPTQ e2e test: attention as (q - zero) * scale, read here bit by bit
+    (GPTQ: qweight packed along K, qzeros along N, v1 storing zero - 1), and nothing else changed."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.e2e.conftest import dequantize_attention
+    from tests.test_gptq_linear import _unpack
+    from vllm_wna16_plugin.checkpoint_config import parse_quantization_config
+    from vllm_wna16_plugin.tools.make_checkpoint import MODEL_FILE, make_checkpoint
+
+    src = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, sym=False, hidden=128, intermediate=64,
+                          experts=4, top_k=2, layers=2, checkpoint_format=checkpoint_format)  # fmt: skip
+    dst = dequantize_attention(src, tmp_path / "twin")
+    before, after = load_file(src / MODEL_FILE), load_file(dst / MODEL_FILE)
+    for key, value in after.items():
+        if ".self_attn." not in key or "_norm" in key:
+            assert torch.equal(value, before[key]), key
+    offset = 1 if checkpoint_format == "gptq" else 0
+    for li in range(2):
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            p = f"model.layers.{li}.self_attn.{proj}"
+            assert not any(f"{p}.{s}" in after for s in ("qweight", "qzeros", "scales", "g_idx"))
+            q = _unpack(before[f"{p}.qweight"], 4, 0)  # (K, N)
+            zeros = _unpack(before[f"{p}.qzeros"], 4, 1) + offset  # (G, N)
+            group = torch.arange(q.shape[0]) // 32
+            w = ((q - zeros[group]).float() * before[f"{p}.scales"].float()[group]).T
+            assert after[f"{p}.weight"].dtype == torch.bfloat16 and torch.equal(after[f"{p}.weight"], w.bfloat16())
+    parsed = parse_quantization_config(json.loads((dst / "config.json").read_text())["quantization_config"])
+    assert parsed.scheme_for("model.layers.0.self_attn.qkv_proj", moe=False) is None
+    assert parsed.scheme_for("model.layers.0.mlp.experts", moe=True).has_zero_point

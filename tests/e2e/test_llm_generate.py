@@ -35,10 +35,8 @@ CHECKPOINTS = {
     # gate/up K=2048 at gs32: vLLM's moe_wna16 CUDA path picks BLOCK_SIZE_K=512 (ratio 16) and crashes
     "gptq-gs32-k2048": dict(fmt="gptq", bits=4, group_size=32, hidden=2048, intermediate=256),
     "gptq-gs128": dict(fmt="gptq", bits=4, group_size=128, hidden=1024, intermediate=256),
-    # vLLM 0.26's GPTQ linear method is symmetric-only: attention stays bf16 (excluded in the config)
-    "gptq-asym": dict(
-        fmt="gptq", bits=4, group_size=128, sym=False, hidden=1024, intermediate=256, quantize_attention=False
-    ),  # fmt: skip
+    # attention quantized too: vLLM's GPTQ linear method refuses sym=false, the plugin's (gptq_linear.py) runs it
+    "gptq-asym": dict(fmt="gptq", bits=4, group_size=128, sym=False, hidden=1024, intermediate=256),
     "gptq-int8": dict(fmt="gptq", bits=8, group_size=128, hidden=1024, intermediate=256),
     "awq-gs128": dict(fmt="awq", bits=4, group_size=128, sym=False, hidden=1024, intermediate=256),
     "ct-channel-null": dict(

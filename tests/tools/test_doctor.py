@@ -378,3 +378,12 @@ def test_doctor_prints_the_launch_plan_of_every_batch_size(gs32_k2048, tmp_path)
     assert "gate/up cuda stream" in text and "tuned E=128,N=1536,K=2048,group_size=128" in text
     # the demo's short plan leaves it out
     assert "launch plan on" not in plan(tmp_path, tp=1, device="sm90", launch_configs=False)
+
+
+def test_doctor_names_the_linear_method_of_each_format(gs32_k2048, tmp_path):
+    # asymmetric GPTQ linear layers run on the plugin's method (vLLM's GPTQ refuses them); symmetric on vLLM's
+    assert "linear layers: vLLM's in-tree gptq)" in plan(gs32_k2048, tp=1, device="sm90")
+    cfg = json.loads((gs32_k2048 / "config.json").read_text())
+    cfg["quantization_config"]["sym"] = False
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert "linear layers: the plugin's asymmetric GPTQ linear method" in plan(tmp_path, tp=1, device="sm90")

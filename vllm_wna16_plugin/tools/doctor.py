@@ -31,6 +31,7 @@ from vllm_wna16_plugin.checkpoint_config import (
     effective_group_size,
     parse_quantization_config,
 )
+from vllm_wna16_plugin.gptq_linear import LINEAR_METHOD, owns_linear
 from vllm_wna16_plugin.kernels.options import PLAN_DEVICES
 from vllm_wna16_plugin.launch_plan import plan as launch_plan
 from vllm_wna16_plugin.oracle import collect_verdicts
@@ -357,8 +358,10 @@ def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_con
     scheme, dims, tp = g.scheme, cp.dims, cp.tp
     i_loc = dims.intermediate // tp
     gs13, gs2 = _group_sizes(scheme, dims, tp, cp.prefixes[g.layers[0]])
-    out = [f"scheme: {scheme.describe()} (MoE layers {_layers_text(g.layers)}; "
-           f"linear layers: vLLM's in-tree {cp.parsed.quant_method})", "GEMMs per rank:"]  # fmt: skip
+    linear = (LINEAR_METHOD if owns_linear(cp.parsed.quant_method, scheme)
+              else f"vLLM's in-tree {cp.parsed.quant_method}")  # fmt: skip
+    out = [f"scheme: {scheme.describe()} (MoE layers {_layers_text(g.layers)}; linear layers: {linear})",
+           "GEMMs per rank:"]  # fmt: skip
     gemms = [("gate/up", dims.hidden, 2 * i_loc, gs13), ("down", i_loc, dims.hidden, gs2)]
     for name, size_k, size_n, gs in gemms:
         regroup = "" if gs == scheme.group_size_for(size_k) or scheme.is_channelwise else " (re-grouped exactly)"

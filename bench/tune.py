@@ -39,18 +39,25 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from vllm_wna16_plugin.kernels.triton.candidates import (  # noqa: E402, F401 - the tuner's candidate space
+    PER_PAIR_MAX_TOKENS_PER_EXPERT,
+    REGISTER_CAPS,
+    block_m_choices,
+    grid_programs,
+    legal_block_k,
+    stage_a,
+    stage_b,
+    wide_block_k,
+)
 from vllm_wna16_plugin.kernels.triton.configs import (  # noqa: E402
-    MIN_PROGRAMS,
-    TritonMoEConfig,
     config_file_name,
     default_config,
-    expected_experts_hit,
 )
 
 
@@ -87,94 +94,8 @@ def parse_shape(spec: str) -> Shape:
     return Shape(spec.replace(":", "-"), *vals)
 
 
-# ---------------------------------------------------------------- candidates (pure, CPU-testable)
-
-
-def legal_block_k(K: int, gs: int) -> list[int]:
-    g = K if gs == -1 else gs
-    out = [bk for bk in (64, 128, 256) if g == K or bk % g == 0 or g % bk == 0]
-    return [bk for bk in out if bk <= max(64, 2 * K)]
-
-
-def wide_block_k(K: int, gs: int, block_n: int) -> list[int]:
-    """Per-pair K tiles past 256 (the kernel then reduces every step): longer contiguous runs of each
-    weight row per step, at most 32K dequantized elements per tile, and at least one whole tile of K."""
-    g = K if gs == -1 else gs
-    return [bk for bk in (512, 1024) if bk <= K and block_n * bk <= 32768 and (g == K or bk % g == 0 or g % bk == 0)]
-
-
-PER_PAIR_MAX_TOKENS_PER_EXPERT = 3.0
-
-
-def block_m_choices(M: int, E: int, top_k: int) -> list[int]:
-    pairs = M * top_k
-    hit = expected_experts_hit(pairs, E)
-    tpe = pairs / hit
-    out = []
-    # Per pair re-reads an expert's weights for each of its tokens (from L2 after the first). With the
-    # folded step it measured level with or ahead of tl.dot up to M=8 (09163a5), so it is timed
-    # up to 3 tokens per expert and the measurement decides.
-    if tpe <= PER_PAIR_MAX_TOKENS_PER_EXPERT:
-        out.append(1)
-    if tpe > 1.05:
-        # 128-row tiles only where an expert gets >= 128 tokens (prefill: vLLM's own Triton configs use
-        # them there, and the plugin's 64-row heuristic trailed vLLM's in-tree path in e2e prefill)
-        allowed = [bm for bm in (16, 32, 64, 128) if bm <= max(16, 2 * 2 ** math.ceil(math.log2(max(tpe, 1))))]
-        allowed = [bm for bm in allowed if bm < 128 or tpe >= 128]
-        out += allowed[-2:]  # the two largest row tiles the tokens per expert can fill
-    return out
-
-
-def grid_programs(M: int, E: int, N: int, top_k: int, cfg: TritonMoEConfig) -> int:
-    pairs = M * top_k
-    if cfg.per_pair:
-        blocks = pairs
-    else:
-        hit = expected_experts_hit(pairs, E)
-        blocks = hit * math.ceil(pairs / hit / cfg.BLOCK_SIZE_M)
-    return int(blocks * -(-N // cfg.BLOCK_SIZE_N) * cfg.SPLIT_K)
-
-
-def stage_a(M: int, E: int, N: int, K: int, top_k: int, gs: int, bits: int) -> list[TritonMoEConfig]:
-    """Tile shapes at warps 4 / stages 4, default_config first."""
-    first = default_config(M, E, N, K, top_k, gs, bits)
-    out = [first]
-    for bm in block_m_choices(M, E, top_k):
-        for bn in (32, 64, 128) + ((256,) if bm >= 64 else ()):
-            for bk in legal_block_k(K, gs) + (wide_block_k(K, gs, bn) if bm == 1 else []):
-                if bm >= 64 and bk > 128 or bm * bn >= 128 * 128 and bk > 64:
-                    continue  # big row tiles: shared memory for wide K stages is better spent on stages
-                cfg = TritonMoEConfig(bm, bn, bk, GROUP_SIZE_M=1 if bm <= 16 else 8, num_warps=4, num_stages=4)
-                if cfg not in out:
-                    out.append(cfg)
-    return out
-
-
-REGISTER_CAPS = (128, 168)  # 4 and 3 programs of 4 warps per SM by registers (65536 / (128 x cap))
-
-
-def stage_b(
-    base: TritonMoEConfig, M: int, E: int, N: int, K: int, top_k: int, td_ok: bool, bits: int = 4
-) -> list[TritonMoEConfig]:
-    """Warps / stages / split-K / TD around one tile; for tl.dot tiles also the split int4 form and
-    register caps (a 16x128x256 words tile takes 212 registers a thread on sm90: 2 programs per SM)."""
-    out = []
-    for warps in (4, 8):
-        for stages in (1, 3, 4, 5) if base.per_pair else (3, 4, 5):  # per pair, 1 = register loads, no pipeline
-            out.append(replace(base, num_warps=warps, num_stages=stages, SPLIT_K=1, use_td=None))
-    one = replace(base, SPLIT_K=1)
-    if grid_programs(M, E, N, top_k, one) < MIN_PROGRAMS:
-        for split in (2, 4):
-            if -(-K // base.BLOCK_SIZE_K) >= 2 * split:
-                out.append(replace(base, SPLIT_K=split))
-    if td_ok:
-        out.append(replace(base, use_td=True))
-    if not base.per_pair:
-        if bits == 4 and base.nibbles is None:
-            out.append(replace(base, nibbles="split"))
-            out.append(replace(base, nibbles="split", maxnreg=REGISTER_CAPS[0]))
-        out += [replace(base, maxnreg=cap) for cap in REGISTER_CAPS if base.maxnreg is None]
-    return [c for c in out if c != base]
+# The candidates (stage_a, stage_b) live in vllm_wna16_plugin/kernels/triton/candidates.py, shared with
+# `vllm-wna16 tune` (the user's own tables); tests/test_tune_candidates.py checks them.
 
 
 # ---------------------------------------------------------------- GPU side

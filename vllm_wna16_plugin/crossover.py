@@ -68,6 +68,20 @@ def cuda_m_ranges(key: str, device_name: str | None, crossover_dir: Path | None 
     return tuple(_load(crossover_file(device_name, crossover_dir)).get(key, {}).get("cuda_m_ranges", ()))
 
 
+def device_ranges(key: str, device) -> tuple[tuple[tuple[int, int], ...], str]:
+    """(ranges, where they came from) for a layer on a kernels.options.DeviceSpec: the user's own tuned
+    crossover (user_tables.py: `vllm-wna16 tune` on this GPU, driver and plugin) when it has the layer,
+    else the shipped table."""
+    from vllm_wna16_plugin.user_tables import crossover_dir
+
+    mine = crossover_dir(device)
+    if mine is not None and device.name:
+        entry = _load(crossover_file(device.name, mine)).get(key)
+        if entry is not None:
+            return tuple(entry["cuda_m_ranges"]), f"your tuned table {crossover_file(device.name, mine)}"
+    return cuda_m_ranges(key, device.name), f"crossover/{crossover_file(device.name or '?').name}"
+
+
 def cuda_max_m(key: str, device_name: str | None, crossover_dir: Path | None = None) -> int:
     """The largest batch up to which `cuda` measured faster from M=1 on; 0 = it does not win at M=1."""
     ranges = cuda_m_ranges(key, device_name, crossover_dir)
@@ -123,6 +137,7 @@ def write_crossovers(entries: dict[str, dict], device_name: str, crossover_dir: 
 __all__ = [
     "CROSSOVER_DIR",
     "cuda_m_ranges",
+    "device_ranges",
     "cuda_max_m",
     "in_ranges",
     "layer_key",

@@ -27,6 +27,7 @@ from vllm_wna16_plugin.backends import Backend, KernelTensors, MoEProblem, regis
 from vllm_wna16_plugin.backends.base import layer_device
 from vllm_wna16_plugin.kernels.options import DeviceSpec
 from vllm_wna16_plugin.oracle import Selection, select_backend
+from vllm_wna16_plugin.user_tables import configs_dir
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def _triton_plan(problem: MoEProblem, m: int, device: DeviceSpec, layer_backend:
 
     launch = triton_launch(m, problem.num_experts, problem.hidden, problem.intermediate, problem.top_k,
                            problem.group_size_w13, problem.group_size_w2, problem.scheme.bits, device.name,
-                           problem.options.kernel.config_dir)  # fmt: skip
+                           problem.options.kernel.config_dir, configs_dir(device))  # fmt: skip
     gemms = _triton_gemms(problem, m, device, launch)
     per_pair = launch.gemm1.config.per_pair and launch.gemm2.config.per_pair
     align = "none (per-pair kernels)" if per_pair else "vLLM moe_align_block_size"
@@ -176,12 +177,12 @@ def plan(
     if layer_backend == "cuda" and not problem.options.explicit:
         from vllm_wna16_plugin.backends.cuda import layer_key
 
-        ranges = crossover.cuda_m_ranges(layer_key(problem), device.name)
+        ranges, source = crossover.device_ranges(layer_key(problem), device)
         shown = ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges) or "none"
         inside = crossover.in_ranges(num_tokens, ranges)
         why.append(
             f"M={num_tokens} {'inside' if inside else 'outside'} cuda's measured ranges {shown} on {device.name} "
-            f"(crossover/{crossover.crossover_file(device.name or '?').name})"
+            f"({source})"
         )
         runs = "cuda" if inside else "triton"
     if runs == "triton":

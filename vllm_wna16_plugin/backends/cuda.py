@@ -43,8 +43,9 @@ def layer_key(problem: MoEProblem) -> str:
 
 
 def measured_ranges(problem: MoEProblem) -> tuple[tuple[int, int], ...]:
-    """The batch sizes at which `cuda` measured faster than `triton` for this layer on its device."""
-    return crossover.cuda_m_ranges(layer_key(problem), layer_device(problem).name)
+    """The batch sizes at which `cuda` measured faster than `triton` for this layer on its device (the
+    user's own tuned table first: crossover.device_ranges)."""
+    return crossover.device_ranges(layer_key(problem), layer_device(problem))[0]
 
 
 class CudaBackend(Backend):

@@ -25,12 +25,15 @@ H200_SMS = 132
 @dataclass(frozen=True)
 class DeviceSpec:
     """A device a launch is planned for. name: the file name the tuned-config and crossover tables use
-    (torch.cuda.get_device_name), None where no table applies; sm_count: streaming multiprocessors."""
+    (torch.cuda.get_device_name), None where no table applies; sm_count: streaming multiprocessors;
+    driver: the NVIDIA driver's version on this machine (the key of the user's own tuned tables,
+    user_tables.py), None for a device that is only described (doctor's plans)."""
 
     platform: str
     sm: int | None = None
     name: str | None = None
     sm_count: int = H200_SMS
+    driver: str | None = None
 
     def __post_init__(self) -> None:
         if self.platform not in PLATFORMS:
@@ -62,12 +65,35 @@ def _device_spec(device: torch.device) -> DeviceSpec:
         props = torch.cuda.get_device_properties(index)
         if torch.version.hip:
             return DeviceSpec("rocm", None, props.name, props.multi_processor_count)
-        return DeviceSpec("cuda", props.major * 10 + props.minor, props.name, props.multi_processor_count)
+        sm = props.major * 10 + props.minor
+        return DeviceSpec("cuda", sm, props.name, props.multi_processor_count, nvidia_driver_version())
     if device.type == "xpu":
         return DeviceSpec("xpu")
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return DeviceSpec("interpreter")
     return DeviceSpec("cpu")
+
+
+def nvidia_driver_version() -> str | None:
+    """The NVIDIA driver's version ("550.54.15"): NVML where installed (a vLLM dependency), else the
+    kernel module's /proc file, else None."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # noqa: BLE001 - no NVML: try the kernel module
+        pass
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            words = f.readline().split()
+    except OSError:
+        return None
+    return next((w for w in words if w[:1].isdigit() and "." in w), None)
 
 
 # The devices `vllm-wna16 doctor --device` plans for. sm90 is planned as the H200, the GPU whose tuned

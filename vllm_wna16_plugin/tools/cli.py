@@ -1,4 +1,4 @@
-"""`vllm-wna16`: the plugin's command line (demo, doctor, make-checkpoint).
+"""`vllm-wna16`: the plugin's command line (demo, doctor, make-checkpoint, tune).
 
 Every verb reports errors the same way, here in `main` (one home): bad input or a bad
 file is one line on stderr, `vllm-wna16 VERB: error: MESSAGE`, and no traceback.
@@ -75,7 +75,7 @@ def quiet_import_noise(verb: str) -> None:
     (VLLM_LOGGING_LEVEL too, unless the user set it: vLLM up to 0.30 configures its logger at import). The
     demo keeps vLLM's log (and the plugin's backend explanation, which is under `vllm.`), without the
     deprecation notes above, nor the no-GPU notes when it runs on CPU."""
-    if verb in ("doctor", "make-checkpoint"):
+    if verb in ("doctor", "make-checkpoint", "tune"):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         for name in ("vllm", "torch"):  # vLLM 0.31+ leaves `vllm` unconfigured here: it reaches the root handler
             logging.getLogger(name).setLevel(logging.ERROR)
@@ -92,10 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     from vllm_wna16_plugin.tools.demo import add_demo_args, run_demo
     from vllm_wna16_plugin.tools.doctor import add_doctor_args, run_doctor
     from vllm_wna16_plugin.tools.make_checkpoint import add_make_checkpoint_args, run_make_checkpoint
+    from vllm_wna16_plugin.tools.tune import add_tune_args, run_tune
 
     parser = argparse.ArgumentParser(
         prog="vllm-wna16",
-        description="vllm-wna16-plugin tools: run the demo, plan a WNA16 MoE checkpoint, or write a tiny one.",
+        description="vllm-wna16-plugin tools: run the demo, plan a WNA16 MoE checkpoint, write a tiny one, or "
+        "tune a checkpoint's MoE layers on this GPU.",
         epilog=EPILOG,
     )
     parser.add_argument("--version", action="version", version=f"vllm-wna16-plugin {__version__}")
@@ -129,6 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_make_checkpoint_args(make)
     make.set_defaults(func=run_make_checkpoint)
+    tune = sub.add_parser(
+        "tune",
+        help="time the launch plan's candidates for a checkpoint's MoE layers on this GPU; keep the winners",
+        description="On this machine's NVIDIA GPU: time the Triton configs and the cuda backend for each MoE "
+        "scheme of the checkpoint (config.json only; random weights of its shapes) at each batch size, check "
+        "each against float math, and write the winners to your own tuned tables (~/.cache/vllm-wna16-plugin/"
+        "tuned, keyed by GPU, driver and plugin version), which later runs prefer to the shipped ones.",
+        epilog=EPILOG,
+    )
+    add_tune_args(tune)
+    tune.set_defaults(func=run_tune)
     return parser
 
 

@@ -354,6 +354,27 @@ def layer_problem(model_dir: str | Path, tp: int = 1, device: str = "sm90") -> M
     return _problem(g.scheme, cp.dims, cp.dims.intermediate // tp, gs13, gs2, device, tp)
 
 
+def moe_problems(
+    model_dir: str | Path, tp: int, platform: str, sm: int | None, act_dtype: torch.dtype = torch.bfloat16
+) -> list[tuple[MoESchemeLayers, MoEProblem]]:
+    """Each distinct quantized MoE scheme of the checkpoint with the MoEProblem of one TP rank on a device
+    of `platform` / `sm` (`vllm-wna16 tune` times them on this machine's GPU). Raises where loading would."""
+    cp = resolve_checkpoint(model_dir, tp)
+    out = []
+    for g in cp.groups:
+        if g.scheme is None:
+            continue
+        gs13, gs2 = _group_sizes(g.scheme, cp.dims, tp, cp.prefixes[g.layers[0]])
+        problem = MoEProblem(scheme=g.scheme, hidden=cp.dims.hidden, intermediate=cp.dims.intermediate // tp,
+                             num_experts=cp.dims.experts, global_num_experts=cp.dims.experts, top_k=cp.dims.top_k,
+                             group_size_w13=gs13, group_size_w2=gs2, act_dtype=act_dtype, platform=platform, sm=sm,
+                             has_g_idx=g.scheme.desc_act, act_order_issue=act_order_split_issue(g.scheme, tp))  # fmt: skip
+        out.append((g, problem))
+    if not out:
+        raise ValueError(f"{model_dir}: every MoE layer loads unquantized; the plugin runs none of them")
+    return out
+
+
 def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_configs: bool) -> list[str]:
     scheme, dims, tp = g.scheme, cp.dims, cp.tp
     i_loc = dims.intermediate // tp

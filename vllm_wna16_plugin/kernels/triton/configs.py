@@ -282,15 +282,26 @@ def choose_triton_moe_config(
     bits: int,
     device_name: str | None = None,
     config_dir: Path | None = None,
+    user_dir: Path | None = None,
 ) -> ConfigChoice:
     """The tuned config nearest to M for this GEMM shape on device_name, else `default_config`
     (no file for the shape and device, or M outside the tuned range; see nearest_tuned_m), with its source.
+    user_dir: the user's own tuned configs (user_tables.configs_dir), tried before config_dir / the shipped.
 
     group_size: the GEMM's effective group (-1 or K = channel-wise). A tuned entry
     that is illegal for K/group_size raises (a bad file is a bug, not a fallback).
     """
     gs = K if group_size == -1 else group_size
     table = None
+    if device_name and user_dir is not None:
+        mine = load_tuned_configs(E, N, K, gs, bits, device_name, user_dir)
+        m_key = nearest_tuned_m(mine, M) if mine else None
+        if m_key is not None:
+            choice = ConfigChoice(
+                mine[m_key], f"your tuned {user_dir / config_file_name(E, N, K, gs, bits, device_name)} at M={m_key}"
+            )
+            choice.config.check_shape(K, gs)
+            return choice
     if device_name:
         table = load_tuned_configs(E, N, K, gs, bits, device_name, config_dir)
     m_key = nearest_tuned_m(table, M) if table else None
@@ -326,11 +337,13 @@ def triton_launch(
     bits: int,
     device_name: str | None = None,
     config_dir: Path | None = None,
+    user_dir: Path | None = None,
 ) -> TritonLaunch:
-    """Both GEMMs' configs for M tokens (group sizes are effective: K = channel-wise)."""
+    """Both GEMMs' configs for M tokens (group sizes are effective: K = channel-wise); user_dir: the user's
+    own tuned configs, tried first (choose_triton_moe_config)."""
     return TritonLaunch(
-        choose_triton_moe_config(M, E, 2 * I, H, top_k, group_size_w13, bits, device_name, config_dir),
-        choose_triton_moe_config(M, E, H, I, top_k, group_size_w2, bits, device_name, config_dir),
+        choose_triton_moe_config(M, E, 2 * I, H, top_k, group_size_w13, bits, device_name, config_dir, user_dir),
+        choose_triton_moe_config(M, E, H, I, top_k, group_size_w2, bits, device_name, config_dir, user_dir),
     )
 
 

@@ -47,6 +47,7 @@ from vllm_wna16_plugin.kernels.triton.dequant import (
     _word_nibble_dots,
 )
 from vllm_wna16_plugin.kernels.triton.td_gate import TDDecision, decide_td, td_request_from_env
+from vllm_wna16_plugin.user_tables import configs_dir
 
 ACTIVATIONS = ("silu", "gelu")
 
@@ -823,7 +824,7 @@ def fused_moe_wna16_triton(
     cfg1, cfg2 = _as_pair(configs)
     if cfg1 is None or cfg2 is None:
         chosen = triton_launch(M, E, H, inter, top_k, H // w13_scales.shape[-1], inter // w2_scales.shape[-1],
-                               bits, device.name, options.config_dir).configs  # fmt: skip
+                               bits, device.name, options.config_dir, configs_dir(device)).configs  # fmt: skip
         cfg1, cfg2 = cfg1 or chosen[0], cfg2 or chosen[1]
 
     x, topk_weights, topk_ids, expert_map = routing_contiguous(x, topk_weights, topk_ids, expert_map)

@@ -1,0 +1,127 @@
+"""vllm-wna16 tune (tools/tune.py) and the user's own tables it writes (user_tables.py), on CPU.
+
+The timing is a GPU's; here the tuner runs its real loop under the Triton interpreter (every candidate
+checked against the float reference) with a stand-in timer, and the test checks that the winners it
+picked are what it wrote, in the shipped tables' formats, and what the launch plan then runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from vllm_wna16_plugin import crossover, user_tables
+from vllm_wna16_plugin.backends import MoEProblem, RunOptions
+from vllm_wna16_plugin.kernels.options import DeviceSpec
+from vllm_wna16_plugin.launch_plan import plan
+from vllm_wna16_plugin.oracle import select_backend
+from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
+from vllm_wna16_plugin.tools import tune
+from vllm_wna16_plugin.tools.cli import main
+
+GPU_X = DeviceSpec("interpreter", None, "GPU X", 4, driver="999.1")
+
+
+def small_problem(zp: bool = False, platform: str = "cpu", sm=None, options: RunOptions | None = None) -> MoEProblem:
+    scheme = WNA16Scheme(4, 32, zp, PackFormat.GPTQ, source="test")
+    return MoEProblem(scheme=scheme, hidden=128, intermediate=64, num_experts=4, global_num_experts=4, top_k=2,
+                      group_size_w13=32, group_size_w2=32, platform=platform, sm=sm,
+                      options=options or RunOptions())  # fmt: skip
+
+
+def triton_plan(problem: MoEProblem, m: int, device: DeviceSpec):
+    """The plan of an explicit triton layer (on CPU auto would take the reference backend)."""
+    return plan(problem, m, device, selection=select_backend(problem, "triton", "test"))
+
+
+def test_tuned_dir_is_keyed_by_device_driver_and_plugin_version(tmp_path):
+    env = {user_tables.ENV_DIR: str(tmp_path)}
+    assert user_tables.tuned_dir(GPU_X, env) is None  # nothing tuned yet
+    path = user_tables.tuned_dir(GPU_X, env, must_exist=False)
+    assert path.parts[-3:] == ("GPU_X", "driver-999.1", f"plugin-{__import__('vllm_wna16_plugin').__version__}")
+    path.mkdir(parents=True)
+    assert user_tables.tuned_dir(GPU_X, env) == path
+    assert user_tables.tuned_dir(dataclasses.replace(GPU_X, driver="1000.0"), env) is None  # another driver
+    assert user_tables.tuned_dir(dataclasses.replace(GPU_X, driver=None), env) is None  # a described device
+    assert user_tables.tuned_dir(GPU_X, {**env, user_tables.ENV_USE: "0"}) is None  # switched off
+    assert user_tables.tuned_root({"XDG_CACHE_HOME": "/c"}).as_posix() == "/c/vllm-wna16-plugin/tuned"
+
+
+@pytest.mark.interpreter
+def test_tune_writes_the_winners_and_the_plan_prefers_them(tmp_path, monkeypatch):
+    monkeypatch.setenv(user_tables.ENV_DIR, str(tmp_path))
+    problem = small_problem(zp=True)
+    timed = []
+
+    def timer(fns):  # a stand-in for CUDA-graph timing: a different, recorded time for each candidate
+        timed.append(len(timed))
+        return 100.0 - (len(timed) * 7919 % 53)
+
+    results = tune.tune_problem(problem, [1, 3], GPU_X, torch.device("cpu"), timer=timer, budget_s=600,
+                                max_candidates=2, progress=lambda line: None)  # fmt: skip
+    assert [r.m for r in results] == [1, 3] and len(timed) >= 6
+    for r in results:
+        assert not r.rejected, r.rejected  # every candidate matched the float reference
+        assert r.best == (min(r.gemm1, key=r.gemm1.get), min(r.gemm2, key=r.gemm2.get))
+        assert r.shipped_us == r.gemm1[r.shipped[0]]  # the shipped pair was timed first
+    root = tune.write_tables(problem, results, GPU_X, tune._record(problem, GPU_X, results))
+    assert root == user_tables.tuned_dir(GPU_X)
+    record = json.loads(next((root / "runs").iterdir()).read_text())
+    assert [s["M"] for s in record["slots"]] == [1, 3] and record["driver"] == "999.1"
+    for r in results:
+        p = triton_plan(problem, r.m, GPU_X)
+        assert p.launch.configs == r.best
+        assert all(g.source.startswith(f"your tuned {root}") for g in p.gemms), [g.source for g in p.gemms]
+    # another driver (or VLLM_WNA16_PLUS_TUNED=0) plans from the shipped tables again
+    other = triton_plan(problem, 1, dataclasses.replace(GPU_X, driver="1.0"))
+    assert all(g.source.startswith("default_config") for g in other.gemms)
+    monkeypatch.setenv(user_tables.ENV_USE, "0")
+    assert triton_plan(problem, 1, GPU_X).launch.configs == other.launch.configs
+
+
+@pytest.mark.interpreter
+def test_tune_measures_cuda_against_the_best_triton_and_writes_the_crossover(tmp_path, monkeypatch):
+    monkeypatch.setenv(user_tables.ENV_DIR, str(tmp_path))
+    problem = small_problem()
+
+    def cuda_calls(self, m):  # the CPU has no CUDA kernel: correct outputs from the Triton layer, marked
+        calls = self.triton_calls(m, tune.triton_launch(m, 4, 128, 64, 2, 32, 32, 4).configs)
+        for c in calls:
+            c.cuda = True
+        return calls
+
+    monkeypatch.setattr(tune.LayerBench, "cuda_calls", cuda_calls)
+    # cuda is faster at M=1 and 2, slower at 4
+    timer = lambda fns: (10.0 if current[0] < 4 else 200.0) if getattr(fns[0], "cuda", False) else 50.0  # noqa: E731
+    current = [0]
+    results = []
+    for m in (1, 2, 4):
+        current[0] = m
+        results += tune.tune_problem(problem, [m], GPU_X, torch.device("cpu"), timer=timer, budget_s=600,
+                                     max_candidates=1, progress=lambda line: None)  # fmt: skip
+    assert [r.cuda_us for r in results] == [10.0, 10.0, 200.0]
+    root = tune.write_tables(problem, results, GPU_X, tune._record(problem, GPU_X, results))
+    key = crossover.layer_key(4, 128, 64, 32, 4)
+    ranges, source = crossover.device_ranges(key, GPU_X)
+    assert ranges == ((1, 2),) and source.startswith(f"your tuned table {root}")
+    # a cuda layer on this GPU: auto takes cuda where the user's table says, triton elsewhere
+    monkeypatch.setattr("vllm_wna16_plugin.backends.cuda.layer_device", lambda p: GPU_X)
+    on_gpu = small_problem(platform="cuda", sm=90, options=RunOptions(plan_only=True))
+    assert [plan(on_gpu, m, GPU_X).backend for m in (1, 2, 4)] == ["cuda", "cuda", "triton"]
+    assert "your tuned table" in plan(on_gpu, 4, GPU_X).describe()
+
+
+def test_cli_tune_needs_a_gpu_and_says_so(tmp_path, capsys):
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, hidden=256, intermediate=128,
+                           experts=4, top_k=2, layers=1)  # fmt: skip
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: tune would run")
+    assert main(["tune", str(ckpt)]) == 2
+    assert "tune times kernels on this machine's NVIDIA GPU, and torch sees none" in capsys.readouterr().err
+    assert main(["tune", str(ckpt), "--m", "1,x"]) == 2
+    assert "--m='1,x' is not a comma-separated list" in capsys.readouterr().err

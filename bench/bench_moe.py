@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # model_shapes, results_table
 
-from model_shapes import Shape, shapes_from_configs  # noqa: E402
+from model_catalog import SETS, catalog_configs  # noqa: E402
+from model_shapes import Shape, model_moe_shape, shapes_from_configs  # noqa: E402
 
 from vllm_wna16_plugin import packing  # noqa: E402
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, RunOptions  # noqa: E402
@@ -298,7 +299,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="a model's config.json (or its directory): time its routed-experts layer as one vLLM rank runs it "
         "at each --tp size (repeatable; see bench/model_shapes.py for the fields read)",
     )
-    ap.add_argument("--tp", type=int_list, default=[1], help="tensor-parallel sizes for --model-config, e.g. 1,2,4,8")
+    ap.add_argument(
+        "--catalog",
+        choices=SETS,
+        default=None,
+        help="time the routed-experts layers of bench/model_catalog.py's public models: the development set "
+        "(the launch plan's rules are fitted on it), the validation set (never fitted on) or all, at each --tp",
+    )
+    ap.add_argument(
+        "--tp", type=int_list, default=[1], help="tensor-parallel sizes for --model-config / --catalog, e.g. 1,2,4,8"
+    )
     ap.add_argument(
         "--ep",
         action="store_true",
@@ -370,16 +380,23 @@ def select_shapes(args: argparse.Namespace) -> list[Shape]:
     """--shapes' built-in shapes (all of them when neither --shapes nor --model-config is given) and the
     --model-config shapes; ValueError for an unknown name or a config that cannot be read or sharded."""
     shapes = []
-    if args.shapes is not None or not args.model_config:
+    catalog = getattr(args, "catalog", None)
+    if args.shapes is not None or not (args.model_config or catalog):
         names = [n for n in (args.shapes or ",".join(s.name for s in SHAPES)).split(",") if n]
         known = {s.name: s for s in SHAPES}
         unknown = [n for n in names if n not in known]
         if unknown:
             raise ValueError(f"--shapes: unknown {', '.join(unknown)}; built-in shapes: {', '.join(known)}")
         shapes += [known[n] for n in names]
-    if args.ep and not args.model_config:
-        raise ValueError("--ep applies to --model-config shapes")
+    if args.ep and not (args.model_config or catalog):
+        raise ValueError("--ep applies to --model-config and --catalog shapes")
     shapes += shapes_from_configs(args.model_config, args.tp, args.bits, args.group_size, ep=args.ep, name=args.name)
+    for name, cfg in catalog_configs(catalog) if catalog else ():
+        for tp in args.tp:
+            try:
+                shapes.append(model_moe_shape(cfg, tp, args.bits, args.group_size, ep=args.ep, name=name))
+            except ValueError as exc:  # a TP size the model cannot be split at is skipped, with the reason
+                print(f"--catalog: {name} at tp={tp} skipped: {exc}", file=sys.stderr)
     return shapes
 
 

@@ -12,6 +12,8 @@
 #   bash bench/gpu_session.sh e2e-bench                   # bench/e2e.py (offline throughput)
 #   BREAKDOWN_ARGS='--m 2,8' bash bench/gpu_session.sh breakdown   # kernel times of a layer call
 #   FLOOR_ARGS='--experts 2,8' bash bench/gpu_session.sh floor      # the read floor of a call's bytes
+#   BENCH_ARGS='--catalog dev --tp 1,2,4,8 --m 1,4,16,64,256' bash bench/gpu_session.sh bench   # the rules' dev set
+#   USER_TUNE_MODEL=Mixtral-8x22B bash bench/gpu_session.sh user-tune   # vllm-wna16 tune on a catalog model
 # The lent machine's copy of the tree has no .git: BENCH_COMMIT names the commit in result files.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -106,6 +108,13 @@ for step in "$@"; do
     # how fast the device streams a layer call's weight bytes at all (bench/read_floor.py)
     floor) timeout ${FLOOR_TIMEOUT:-180} python3 bench/read_floor.py --out "$OUT/res" ${FLOOR_ARGS:-} 2>&1 \
              | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/floor.log" | tail -30 ;;
+    # `vllm-wna16 tune` on a catalog model's config.json (bench/model_catalog.py): the user's tuner on this GPU,
+    # its tables brought back as user-tuned.tgz
+    user-tune) python3 bench/model_catalog.py "${USER_TUNE_MODEL:-Qwen3-30B-A3B}" /tmp/user-tune >/dev/null
+               export VLLM_WNA16_PLUS_TUNED_DIR=/tmp/user-tuned
+               eval "timeout ${USER_TUNE_TIMEOUT:-420} vllm-wna16 tune /tmp/user-tune ${USER_TUNE_ARGS:---m 1,8,64,256 --budget-s 300}" 2>&1 \
+                 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/user-tune.log" | tail -30 || rc=1
+               tar czf "$OUT/user-tuned.tgz" -C /tmp user-tuned 2>/dev/null ;;
     # a second bench step in one call gets its own log (the first is not overwritten)
     bench) log="$OUT/bench.log"; [ -e "$log" ] && log="$OUT/bench-at-${SECONDS}s.log"
            timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$log" | tail -70

@@ -311,7 +311,7 @@ def test_cli_errors_are_clear(bench, tmp_path, capsys):
     assert bench.main(["--shapes", "nope", "--dry-run"]) == 2
     assert "--shapes: unknown nope; built-in shapes: qwen3-30b-a3b" in capsys.readouterr().err
     assert bench.main(["--ep", "--dry-run"]) == 2
-    assert "--ep applies to --model-config shapes" in capsys.readouterr().err
+    assert "--ep applies to --model-config and --catalog shapes" in capsys.readouterr().err
     assert bench.main(["--model-config", str(ds), "--tp", "4", "--ep"]) == 2  # EP: shapes only, before any GPU
     assert "--ep shapes are printed by --dry-run, not timed" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -354,3 +354,42 @@ def test_what_the_bench_does_not_time_is_said(shapes):
         ValueError, match=r"tp=4 cannot load .*act order is never re-grouped.*TP sizes that work: 1, 2$"
     ):
         shapes.model_moe_shape({**QWEN3_30B_A3B, "quantization_config": act}, 4)  # K=192: 1.5 groups of 128
+
+
+def test_catalog_sets_are_disjoint_and_every_model_resolves_at_tp1(bench, capsys):
+    import model_catalog
+
+    dev = {n for n, _ in model_catalog.catalog_configs("dev")}
+    val = {n for n, _ in model_catalog.catalog_configs("validation")}
+    assert dev and val and not dev & val and dev | val == set(model_catalog.CATALOG)
+    assert bench.main(["--catalog", "all", "--tp", "1", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    names = {ln.split("@")[0] for ln in out.out.splitlines() if "@tp1" in ln and not ln.startswith(" ")}
+    assert names == dev | val, out.err  # each model's layer at TP 1, none skipped
+    with pytest.raises(ValueError, match="--catalog='train'"):
+        model_catalog.catalog_configs("train")
+
+
+def test_catalog_skips_a_tp_size_a_model_cannot_split_at_and_says_why(bench, capsys):
+    assert bench.main(["--catalog", "validation", "--tp", "8", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert "--catalog: Qwen2-57B-A14B at tp=8 skipped: " in out.err and "num_attention_heads=28" in out.err
+    assert "Mixtral-8x22B@tp8: E=8 top_k=2 H=6144 I=2048" in out.out
+
+
+def test_every_catalog_model_gives_the_tuner_a_problem(bench, tmp_path):
+    # `vllm-wna16 tune` and doctor read config.json alone: the catalog's written configs resolve as loading does
+    import json
+
+    import model_catalog
+
+    from vllm_wna16_plugin.tools.doctor import moe_problems
+
+    for name in model_catalog.CATALOG:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(model_catalog.checkpoint_config(name, group_size=32)))
+        [(group, problem)] = moe_problems(path, 1, "cuda", 90)
+        _, cfg = model_catalog.CATALOG[name]
+        assert problem.top_k == cfg.get("text_config", cfg).get("num_experts_per_tok", cfg.get("moe_k")), name
+        assert group.scheme.group_size == 32 and problem.group_size_w13 == 32

@@ -79,8 +79,8 @@ class MoEDims:
     where: str  # "" or "text_config.": where the dimensions were found, for messages
 
 
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-_TOP_K_KEYS = ("num_experts_per_tok", "top_k", "moe_topk")
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # last: ERNIE-4.5-MoE
+_TOP_K_KEYS = ("num_experts_per_tok", "top_k", "moe_topk", "moe_k")
 _INTER_KEYS = ("moe_intermediate_size", "intermediate_size")
 
 
@@ -113,8 +113,8 @@ def moe_dims(cfg: Mapping) -> MoEDims:
             num_heads=None if heads is None else _positive_int(where, "num_attention_heads", heads),
             where=where,
         )
-    raise ValueError("config.json has no MoE dimensions: no num_experts, num_local_experts or n_routed_experts "
-                     "(top level or text_config); supported: an HF MoE model config")  # fmt: skip
+    raise ValueError(f"config.json has no MoE dimensions: no {', '.join(_EXPERT_KEYS)} (top level or text_config); "
+                     "supported: an HF MoE model config")  # fmt: skip
 
 
 # ---------------------------------------------------------------- which layers are MoE, and their schemes

@@ -82,6 +82,15 @@ def device_ranges(key: str, device) -> tuple[tuple[tuple[int, int], ...], str]:
     return cuda_m_ranges(key, device.name), f"crossover/{crossover_file(device.name or '?').name}"
 
 
+def has_entry(key: str, device) -> bool:
+    """Whether a table (the user's or the shipped one) measured this layer on the device, even with no win."""
+    from vllm_wna16_plugin.user_tables import crossover_dir
+
+    mine = crossover_dir(device)
+    tables = ([crossover_file(device.name, mine)] if mine is not None else []) + [crossover_file(device.name or "?")]
+    return bool(device.name) and any(key in _load(path) for path in tables)
+
+
 def cuda_max_m(key: str, device_name: str | None, crossover_dir: Path | None = None) -> int:
     """The largest batch up to which `cuda` measured faster from M=1 on; 0 = it does not win at M=1."""
     ranges = cuda_m_ranges(key, device_name, crossover_dir)
@@ -138,6 +147,7 @@ __all__ = [
     "CROSSOVER_DIR",
     "cuda_m_ranges",
     "device_ranges",
+    "has_entry",
     "cuda_max_m",
     "in_ranges",
     "layer_key",

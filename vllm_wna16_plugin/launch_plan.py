@@ -175,14 +175,13 @@ def plan(
     why = [f"layer backend {layer_backend!r} ({asked})"]
     runs = layer_backend
     if layer_backend == "cuda" and not problem.options.explicit:
-        from vllm_wna16_plugin.backends.cuda import layer_key
+        from vllm_wna16_plugin.backends.cuda import layer_ranges
 
-        ranges, source = crossover.device_ranges(layer_key(problem), device)
+        ranges, source = layer_ranges(problem, device)
         shown = ", ".join(f"[{lo}, {hi}]" for lo, hi in ranges) or "none"
         inside = crossover.in_ranges(num_tokens, ranges)
         why.append(
-            f"M={num_tokens} {'inside' if inside else 'outside'} cuda's measured ranges {shown} on {device.name} "
-            f"({source})"
+            f"M={num_tokens} {'inside' if inside else 'outside'} cuda's ranges {shown} on {device.name} ({source})"
         )
         runs = "cuda" if inside else "triton"
     if runs == "triton":

@@ -2,22 +2,25 @@
 
 Its rules: an NVIDIA GPU, the extension built (setup.py), int4 or int8, group sizes the launch-config
 module takes (32/64/128) or channel-wise, K % 8 == 0, no act order, silu/gelu,
-and bf16 only from sm80. `auto` takes it only for a layer shape for which crossover.py's table has
-a winning range of batch sizes on this device; the layer's launch plan (launch_plan.py) then runs the
-batches inside those measured ranges on it and the others on the triton backend. The table comes from bench_moe.py
---write-crossover on a GPU (the H200's is shipped). An explicit choice (VLLM_WNA16_PLUS_BACKEND=cuda, or
+and bf16 only from sm80. `auto` takes it for a layer where crossover.py's table (the user's tuned one,
+then the shipped one) has a winning range of batch sizes on this device, or, for a shape without an
+entry, where the shape rule below takes some batch size; the layer's launch plan (launch_plan.py) then
+runs those batch sizes on it and the others on the triton backend. The tables come from bench_moe.py
+--write-crossover and vllm-wna16 tune on a GPU (the H200's is shipped). An explicit choice (VLLM_WNA16_PLUS_BACKEND=cuda, or
 backend="cuda") always runs the CUDA kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from vllm_wna16_plugin import crossover
 from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_device, layer_kwargs
 from vllm_wna16_plugin.block_config import cuda_group_reason
+from vllm_wna16_plugin.kernels.options import DeviceSpec
 
 CUDA_ACTIVATIONS = ("silu", "gelu")
 
@@ -42,10 +45,61 @@ def layer_key(problem: MoEProblem) -> str:
     return crossover.layer_key(problem.num_experts, problem.hidden, problem.intermediate, gs, problem.scheme.bits)
 
 
+# Where no crossover was measured for a layer, `auto` runs cuda by a rule of the shape (a first fit, issue 22
+# item 2): int4 on sm90, GEMM1 on the tensor-core kernel, and a batch of RULE_MIN_M..RULE_MAX_M tokens whose
+# GEMM1 gives each warp of the stream grid >= RULE_MIN_PAIRS_PER_WARP pairs of K steps (the kernel's own
+# split of the work, cuda_ops.stream_pairs_per_warp) with <= RULE_MAX_TOKENS_PER_EXPERT tokens per expert hit.
+# Fitted on the six H200 bench shapes (runs stream3 for M <= 64, 12bbb3a-tuned-full above; tests/kernels/
+# test_cuda_rule.py): cuda won at 0.60-0.96x of triton's time wherever the rule takes it, and where it does
+# not, triton was never more than 10% slower (k1344-gs32 at M 2-8 and 64: cuda 0.90-0.92x). Every shape
+# lost from M=128 (1.05-1.96x). Not yet validated on the catalog's validation set (bench/model_catalog.py).
+RULE_MIN_M, RULE_MAX_M = 2, 64
+RULE_MIN_PAIRS_PER_WARP = 6.0
+RULE_MAX_TOKENS_PER_EXPERT = 12.0  # between Mixtral M=32 (8: cuda 0.76x) and M=64 (16: 1.05x)
+RULE_SOURCE = "shape rule (backends/cuda.py, fitted on the six H200 bench shapes; not yet validated)"
+
+
+def rule_takes(problem: MoEProblem, m: int, device: DeviceSpec) -> bool:
+    """Whether the shape rule (above) runs `m` tokens of this layer on cuda on `device`."""
+    from vllm_wna16_plugin.kernels.cuda_ops import mma_kernel_fits, stream_pairs_per_warp
+    from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
+
+    h, i, e, k = problem.hidden, problem.intermediate, problem.num_experts, problem.top_k
+    if not (RULE_MIN_M <= m <= RULE_MAX_M) or device.platform != "cuda" or device.sm != 90:
+        return False
+    if problem.scheme.bits != 4 or not mma_kernel_fits(h, h // problem.group_size_w13, 4):
+        return False
+    per_warp = stream_pairs_per_warp(m, k, e, h, i, 4, True, min(m, 8), device.sm_count)
+    return per_warp >= RULE_MIN_PAIRS_PER_WARP and m * k / expected_experts_hit(m * k, e) <= RULE_MAX_TOKENS_PER_EXPERT
+
+
+@functools.lru_cache(maxsize=1024)
+def rule_ranges(problem: MoEProblem, device: DeviceSpec) -> tuple[tuple[int, int], ...]:
+    """The runs [lo, hi] of batch sizes the shape rule gives cuda."""
+    ranges: list[list[int]] = []
+    for m in range(RULE_MIN_M, RULE_MAX_M + 1):
+        if rule_takes(problem, m, device):
+            if ranges and ranges[-1][1] == m - 1:
+                ranges[-1][1] = m
+            else:
+                ranges.append([m, m])
+    return tuple((lo, hi) for lo, hi in ranges)
+
+
+def layer_ranges(problem: MoEProblem, device: DeviceSpec | None = None) -> tuple[tuple[tuple[int, int], ...], str]:
+    """(batch-size ranges where auto runs cuda, where they came from): a measured crossover (the user's own
+    tuned table, then the shipped one: crossover.device_ranges), else the shape rule."""
+    device = device or layer_device(problem)
+    key = layer_key(problem)
+    ranges, source = crossover.device_ranges(key, device)
+    if ranges or crossover.has_entry(key, device):
+        return ranges, source
+    return rule_ranges(problem, device), RULE_SOURCE
+
+
 def measured_ranges(problem: MoEProblem) -> tuple[tuple[int, int], ...]:
-    """The batch sizes at which `cuda` measured faster than `triton` for this layer on its device (the
-    user's own tuned table first: crossover.device_ranges)."""
-    return crossover.device_ranges(layer_key(problem), layer_device(problem))[0]
+    """The batch sizes at which auto runs `cuda` for this layer on its device (layer_ranges)."""
+    return layer_ranges(problem)[0]
 
 
 class CudaBackend(Backend):
@@ -73,8 +127,9 @@ class CudaBackend(Backend):
                 return reason
         if not problem.options.explicit and not measured_ranges(problem):
             return (
-                "no measured crossover over triton for this shape on this device "
-                "(auto takes cuda only where bench_moe.py --write-crossover measured it faster)"
+                "no measured crossover over triton for this shape on this device, and the shape rule takes no "
+                "batch size (auto takes cuda where bench_moe.py --write-crossover or vllm-wna16 tune measured it "
+                "faster, else by the shape rule of backends/cuda.py)"
             )
         if problem.options.plan_only:
             return None

@@ -856,23 +856,19 @@ def test_effective_group_size_checkpoint_groups_must_tile_full_k():
         effective_group_size(GS128, 1344, layer="layer")
 
 
-def test_effective_group_size_act_order_is_never_regrouped():
-    # Full K=768, group 128, act order: TP4 gives K=192 per rank, which plain group 128 re-groups to 64.
+def test_effective_group_size_act_order_regroups_like_plain_groups():
+    # Full K=768, group 128, act order: TP4 gives K=192 per rank. The triton backend pads a rank's partial
+    # act-order groups (backends.base.sort_act_order); the effective group size is the plan before loading
+    # and what a trivial g_idx runs with. Formerly refused ("act order is never re-grouped").
     act = WNA16Scheme(bits=4, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ, desc_act=True)
     assert effective_group_size(GS128, 192, layer="x", tp_size=4) == 64
+    assert effective_group_size(act, 192, layer="x", tp_size=4) == 64
     assert effective_group_size(act, 384, layer="x", tp_size=2) == 128
-    with pytest.raises(
-        ValueError,
-        match=re.escape(
-            "model.layers.0.mlp.experts: K=192 per rank (tp_size=4, full K=768) cannot use act order "
-            "(quantization_config.desc_act) with group_size=128"
-        )
-        + r".*tensor-parallel sizes that work: 1, 2, 3, 6$",
-    ):
-        effective_group_size(act, 192, layer="model.layers.0.mlp.experts", tp_size=4)
     ct_act = WNA16Scheme(bits=4, group_size=128, has_zero_point=False, pack_format=PackFormat.CT_PACKED, desc_act=True)
-    with pytest.raises(ValueError, match=r"quantization_config\.weights\.actorder"):
-        effective_group_size(ct_act, 96, layer="x", tp_size=8)
+    assert effective_group_size(ct_act, 96, layer="x", tp_size=8) == 32
+    # where no exact group size fits K per rank, act order is refused as plain groups are
+    with pytest.raises(ValueError, match=r"K=24 per rank \(tp_size=16, full K=384\) cannot use quantization_config"):
+        effective_group_size(act, 24, layer="model.layers.3.mlp.experts", tp_size=16)
 
 
 def test_effective_group_size_rejects_bad_k():

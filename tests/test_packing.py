@@ -57,3 +57,36 @@ def test_gptq_v1_refuses_to_write_a_zero_point_of_zero():
     v2 = pack_gptq(qw, zero_point_offset=0)
     back = unpack_gptq(v2["qweight"], v2["qzeros"], v2["scales"], 4, zero_point_offset=0, has_zero_point=True)
     assert torch.equal(back.zeros, qw.zeros) and torch.equal(back.q, qw.q)
+
+
+def test_padded_group_runs_known_answer():
+    """Act order on a TP rank: each group's rows sorted (stably), padded to runs of 2, experts to the longest."""
+    from vllm_wna16_plugin.packing import padded_group_runs
+
+    g_idx = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 0, 0, 1]])
+    rows, chunks = padded_group_runs(g_idx, num_groups=2, run=2)
+    # expert 0: group 0 = rows 1, 4; group 1 = rows 0, 2, 3 + 1 pad. expert 1: group 0 = 0..3; group 1 = 4 + 1 pad
+    assert rows.tolist() == [[1, 4, 0, 2, 3, -1], [0, 1, 2, 3, 4, -1]]
+    assert chunks.tolist() == [[0, 1, 1], [0, 0, 1]]
+    rows, chunks = padded_group_runs(torch.tensor([[0, 0, 0, 0], [1, 1, 0, 1]]), num_groups=2, run=4)
+    assert rows.tolist() == [[0, 1, 2, 3, -1, -1, -1, -1], [2, -1, -1, -1, 0, 1, 3, -1]]
+    assert chunks.tolist() == [[0, 1], [0, 1]]  # expert 0's end padding takes the last group
+
+
+def test_permute_k_and_n_pad_with_the_given_values_and_zero_rows():
+    from vllm_wna16_plugin.packing import pack_along, permute_k, permute_n, unpack_along
+
+    q = torch.arange(2 * 4 * 4).reshape(2, 4, 4) % 16  # (E, N, K) int4 values
+    qweight = pack_along(q, 4, dim=-1, word_bits=8)
+    perm = torch.tensor([[3, -1, 0, 1, -1, -1], [2, 1, 0, 3, -1, -1]])
+    pad = torch.tensor([[[7, 8, 9]] * 4, [[1, 2, 3]] * 4])  # (E, N, 3 chunks of 2 rows)
+    out = unpack_along(permute_k(qweight, perm, 4, pad_values=pad), 4, dim=-1, word_bits=8)
+    assert out[0, 0].tolist() == [3, 7, 0, 1, 9, 9] and out[1, 2].tolist() == [10, 9, 8, 11, 3, 3]
+    scales = torch.rand(2, 4, 1) + 1
+    zeros = pack_along(torch.full((2, 4, 1), 5), 4, dim=-2, word_bits=8)
+    rows = torch.tensor([[2, -1, 0, -1, 3, 1], [1, 0, -1, 2, 3, -1]])  # (E, 6): N grows with padding rows
+    qw, sc, qz = permute_n(qweight, scales, zeros, rows, 4)
+    assert torch.equal(unpack_along(qw, 4, dim=-1, word_bits=8)[0, 0], q[0, 2]) and not qw[0, 1].any()
+    keep = rows >= 0
+    assert torch.equal(sc[..., 0], torch.where(keep, scales[..., 0].gather(1, rows.clamp(min=0)), 0))
+    assert torch.equal(unpack_along(qz, 4, dim=-2, word_bits=8)[..., 0], torch.where(keep, 5, 0))

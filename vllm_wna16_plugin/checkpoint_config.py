@@ -677,12 +677,10 @@ def is_wna16_checkpoint(cfg: Mapping | None) -> bool:
 # ---------------------------------------------------------------- shapes
 
 
-def _regroup(group_size: int, size_k: int, full_size_k: int, act_order: bool) -> int | None:
+def _regroup(group_size: int, size_k: int, full_size_k: int) -> int | None:
     """The exact group size for a shard of size_k out of full_size_k, or None (see effective_group_size)."""
     if size_k % group_size == 0:
         return group_size
-    if act_order:
-        return None
     g = math.gcd(group_size, size_k)
     if g >= MIN_REGROUPED_GROUP_SIZE and full_size_k % group_size == 0:
         return g
@@ -698,8 +696,10 @@ def effective_group_size(
     g = gcd(group_size, size_k) when g >= 16 and the full K is a whole number of
     groups: each scale is repeated group_size // g times, which is exact because
     every shard starts on a multiple of g (vLLM's moe_wna16 halves the group size
-    for the same reason). Act order (desc_act) is never re-grouped: its g_idx names
-    the checkpoint's groups. Else ValueError naming the layer, K, the group size, the
+    for the same reason). Act order (desc_act) keeps the checkpoint's groups (its g_idx
+    names them; the triton backend pads a rank's partial groups, backends.base.sort_act_order):
+    its effective group size is the plan before loading and the one a trivial g_idx,
+    dropped at load, runs with. Else ValueError naming the layer, K, the group size, the
     TP size and the TP sizes that would work.
     """
     if isinstance(size_k, bool) or not isinstance(size_k, int) or size_k <= 0:
@@ -707,23 +707,12 @@ def effective_group_size(
     if scheme.is_channelwise:
         return size_k
     full = full_size_k if full_size_k is not None else size_k * tp_size
-    act = scheme.desc_act
-    g = _regroup(scheme.group_size, size_k, full, act)
+    g = _regroup(scheme.group_size, size_k, full)
     if g is not None:
         return g
     working = [
-        t
-        for t in range(1, MAX_SUGGESTED_TP + 1)
-        if full % t == 0 and _regroup(scheme.group_size, full // t, full, act) is not None
+        t for t in range(1, MAX_SUGGESTED_TP + 1) if full % t == 0 and _regroup(scheme.group_size, full // t, full)
     ]
-    if act:
-        field = "desc_act" if scheme.pack_format is PackFormat.GPTQ else "weights.actorder"
-        raise ValueError(
-            f"{layer}: K={size_k} per rank (tp_size={tp_size}, full K={full}) cannot use act order "
-            f"(quantization_config.{field}) with group_size={scheme.group_size}: act order is never "
-            f"re-grouped, so K per rank must be a multiple of the group size; tensor-parallel sizes that "
-            f"work: {', '.join(map(str, working)) or 'none'}"
-        )
     raise ValueError(
         f"{layer}: K={size_k} per rank (tp_size={tp_size}, full K={full}) cannot use "
         f"quantization_config.group_size={scheme.group_size}: it does not divide K, and re-grouping "

@@ -17,6 +17,7 @@ one plan per batch size seen; moe_method.apply and ops.fused_moe_wna16 run throu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,6 +214,11 @@ class LayerRunner:
         backends = registry()
         self.backends: dict[str, Backend] = {n: backends[n] for n in plan_backends(selection)}
         self.states: dict[str, Any] = {n: b.prepare(self.problem, tensors) for n, b in self.backends.items()}
+        for n, b in self.backends.items():  # plan the shape that runs (triton pads act order on a TP rank)
+            prepared = b.prepared_problem(self.problem, self.states[n])
+            if prepared is not self.problem:
+                self.problem = prepared
+                self.selection = dataclasses.replace(selection, problem=prepared)
         self._plans: dict[int, LaunchPlan] = {}
 
     def plan(self, num_tokens: int) -> LaunchPlan:

@@ -6,8 +6,8 @@ checkpoint tensor is converted as it is loaded (weight_loading.py). After
 loading, every expected tensor is checked present, act order is dropped when
 g_idx is trivial, and the layer's runner (launch_plan.LayerRunner) prepares the
 state of each backend its launch plans name, once (the `triton` backend sorts act
-order's K into contiguous groups; the layer's parameters then hold the sorted
-tensors). apply runs each batch on the plan of its size.
+order's K into contiguous groups, padded on a tensor-parallel rank; the layer's
+parameters then hold the sorted tensors). apply runs each batch on the plan of its size.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 fill = torch.zeros if kind != "qweight" else torch.empty
                 param = torch.nn.Parameter(fill(shape, dtype=dtype or params_dtype), requires_grad=False)
                 layer.register_parameter(name, param)
-                _vllm.set_weight_attrs(param, {"weight_loader": self._make_loader(layer, kind, name)})
+                _vllm.set_weight_attrs(param, {"weight_loader": self._make_loader(layer, kind, name, shape)})
                 self.param_names[(gemm, kind)] = name
             # Fail before gigabytes are read: an explicit backend that cannot work errors now.
             self.problem = self._make_problem(
@@ -119,10 +119,17 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             suffix = CHECKPOINT_NAMES[self.scheme.pack_format][kind]
             return TensorName(layer.layer_name, expert_id, proj.get(shard_id, shard_id), suffix)
 
-        def _make_loader(self, layer, kind: str, param_name: str):
+        def _make_loader(self, layer, kind: str, param_name: str, created: tuple):
             scheme, method = self.scheme, self
 
             def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+                if tuple(param.shape) != created:
+                    raise ValueError(
+                        f"{layer.layer_name}.{param_name} holds the processed act-order layout {tuple(param.shape)} "
+                        f"(sorted, padded on this tensor-parallel rank), not the checkpoint layout {created} the "
+                        "loader writes: reload weights through vLLM's reload_weights, which restores the "
+                        "checkpoint's shapes before loading"
+                    )
                 local = _vllm.layer_local_expert_id(layer, int(expert_id))
                 if local < 0:
                     return False if return_success else None
@@ -213,7 +220,9 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             if sorted_state is not None:
                 # act order, sorted by the backend (backends.base.sort_act_order): the layer's parameters
                 # take the sorted tensors so that one copy stays in memory (g_idx keeps the checkpoint's
-                # order; a reload writes the checkpoint's layout into them and is sorted again here)
+                # order). On a tensor-parallel rank they are padded (other shapes than create_weights'):
+                # vLLM's reload_weights (layerwise) restores the created shapes, loads, calls this again and
+                # copies the result into these tensors; a plain load into them is refused by the loader.
                 for (gemm, kind), name in self.param_names.items():
                     new = getattr(sorted_state, f"{gemm}_{kind}", None)
                     if kind in ("qweight", "scales", "qzeros") and new is not None:
@@ -222,10 +231,13 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
 
         def _own_w2_groups(self, scales: torch.Tensor, qzeros: torch.Tensor | None):
             """This rank's groups of the down projection's (E, H, G_full) scales and (E, H*bits/8, G_full)
-            zero points: G_loc = I_loc / group_size of them from r * G_loc (TP never re-groups act order)."""
+            zero points, re-grouped to group_size_w2 (checkpoint_config.effective_group_size: it divides the
+            checkpoint's group size): G_loc = I_loc / group_size_w2 of them from r * G_loc."""
+            repeat = self.scheme.group_size // self.shapes.group_size_w2
             g_loc = self.shapes.intermediate_local // self.shapes.group_size_w2
             own = slice(self.shapes.tp_rank * g_loc, (self.shapes.tp_rank + 1) * g_loc)
-            return scales[..., own].contiguous(), None if qzeros is None else qzeros[..., own].contiguous()
+            regroup = lambda t: t.repeat_interleave(repeat, dim=-1)[..., own].contiguous()  # noqa: E731
+            return regroup(scales), None if qzeros is None else regroup(qzeros)
 
         def _trivial_g_idx(self, g_idx, group_size) -> bool:
             if g_idx is None:

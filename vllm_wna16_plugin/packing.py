@@ -310,12 +310,52 @@ def sort_groups(g_idx: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, str
     )
 
 
-def permute_k(qweight: torch.Tensor, perm: torch.Tensor, bits: int) -> torch.Tensor:
-    """Kernel-layout qweight (E, N, K*bits/8) with each expert's K reordered: new k = old perm[e, k]."""
-    out = torch.empty_like(qweight)
-    for e in range(qweight.shape[0]):  # one expert at a time: the unpacked int64 copy stays small
-        q = unpack_along(qweight[e], bits, dim=-1, word_bits=8)
-        out[e] = pack_along(q[:, perm[e].to(q.device)], bits, dim=-1, word_bits=8)
+def padded_group_runs(g_idx: torch.Tensor, num_groups: int, run: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, chunk_groups): act order whose groups are not whole (a tensor-parallel rank's slice of K) laid
+    out in chunks of `run` rows, each chunk inside one group.
+
+    Each expert's K rows are sorted by g_idx (E, K) (stably); group g's c_g rows are followed by padding up
+    to a multiple of `run`, and every expert is padded at the end to the longest,
+    K_pad = max_e sum_g ceil(c_eg / run) * run. rows (E, K_pad) int64: the source row of K row k, -1 for
+    padding. chunk_groups (E, K_pad // run) int64: the group of chunk j (rows j*run ..); chunks of end
+    padding take group num_groups - 1. g_idx values must lie in [0, num_groups)."""
+    e, k = g_idx.shape
+    g = g_idx.long()
+    counts = torch.zeros(e, num_groups, dtype=torch.int64, device=g.device).scatter_add_(1, g, torch.ones_like(g))
+    padded = (counts + run - 1) // run * run  # (E, G) rows each group takes
+    k_pad = int(padded.sum(-1).max())
+    sorted_g, perm = torch.sort(g, dim=-1, stable=True)
+    first = (torch.cumsum(counts, -1) - counts).gather(1, sorted_g)  # sorted position of each row's group start
+    dest = (torch.cumsum(padded, -1) - padded).gather(1, sorted_g) + torch.arange(k, device=g.device) - first
+    rows = torch.full((e, k_pad), -1, dtype=torch.int64, device=g.device).scatter_(1, dest, perm)
+    chunk_end = torch.cumsum(padded // run, -1)  # (E, G): chunks before the end of group g
+    chunks = torch.arange(k_pad // run, device=g.device).expand(e, -1).contiguous()
+    chunk_groups = torch.searchsorted(chunk_end, chunks, right=True).clamp(max=num_groups - 1)
+    return rows, chunk_groups
+
+
+def permute_k(
+    qweight: torch.Tensor,  # (E, N, K*bits/8) uint8
+    perm: torch.Tensor,  # (E, K_new) int: new k = old perm[e, k]; -1 = padding
+    bits: int,
+    pad_values: torch.Tensor | None = None,  # (E, N, C) int: the value of padding rows in chunk k // (K_new / C)
+) -> torch.Tensor:
+    """Kernel-layout qweight (E, N, K_new*bits/8) with each expert's K reordered (and padded: rows where
+    perm is -1 take pad_values, default 0)."""
+    e, n, _ = qweight.shape
+    k_new = perm.shape[-1]
+    out = torch.empty((e, n, k_new * bits // 8), dtype=qweight.dtype, device=qweight.device)
+    for ex in range(e):  # one expert at a time: the unpacked int64 copy stays small
+        q = unpack_along(qweight[ex], bits, dim=-1, word_bits=8)
+        p = perm[ex].to(q.device)
+        new = q[:, p.clamp(min=0)]
+        pad = p < 0
+        if bool(pad.any()):
+            fill = torch.zeros_like(new)
+            if pad_values is not None:
+                fill = pad_values[ex].to(new).repeat_interleave(k_new // pad_values.shape[-1], dim=-1)
+            new = torch.where(pad, fill, new)
+        out[ex] = pack_along(new, bits, dim=-1, word_bits=8)
     return out
 
 
@@ -323,17 +363,21 @@ def permute_n(
     qweight: torch.Tensor,  # (E, N, K*bits/8) uint8
     scales: torch.Tensor,  # (E, N, G)
     qzeros: torch.Tensor | None,  # (E, N*bits/8, G) uint8
-    rows: torch.Tensor,  # (E, N) int: new row n = old row rows[e, n]
+    rows: torch.Tensor,  # (E, N_new) int: new row n = old row rows[e, n]; -1 = a padding row
     bits: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Kernel-layout weights with each expert's N rows (output channels) reordered."""
+    """Kernel-layout weights with each expert's N rows (output channels) reordered; a padding row gets
+    weights 0, scale 0 and zero point 0, so it dequantizes to exactly 0."""
     idx = rows.long().to(qweight.device)
-    qw = torch.gather(qweight, 1, idx[:, :, None].expand(-1, -1, qweight.shape[-1]))
-    sc = torch.gather(scales, 1, idx[:, :, None].expand(-1, -1, scales.shape[-1]))
+    keep = (idx >= 0)[:, :, None]
+    src = idx.clamp(min=0)[:, :, None]
+    qw = torch.gather(qweight, 1, src.expand(-1, -1, qweight.shape[-1])).masked_fill_(~keep, 0)
+    sc = torch.gather(scales, 1, src.expand(-1, -1, scales.shape[-1])).masked_fill_(~keep, 0)
     qz = None
     if qzeros is not None:
-        qz = torch.empty_like(qzeros)
+        qz = torch.empty((qzeros.shape[0], idx.shape[1] * bits // 8, qzeros.shape[-1]), dtype=qzeros.dtype,
+                         device=qzeros.device)  # fmt: skip
         for e in range(qzeros.shape[0]):
-            z = unpack_along(qzeros[e], bits, dim=-2, word_bits=8)
-            qz[e] = pack_along(z[idx[e]], bits, dim=-2, word_bits=8)
+            z = unpack_along(qzeros[e], bits, dim=-2, word_bits=8)[src[e, :, 0]].masked_fill_(~keep[e], 0)
+            qz[e] = pack_along(z, bits, dim=-2, word_bits=8)
     return qw.contiguous(), sc.contiguous(), qz

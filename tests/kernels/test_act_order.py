@@ -2,14 +2,16 @@
 
 The backend sorts each expert's K by its g_idx at prepare (backends.base.sort_act_order) and the
 kernel reads GEMM1's A through the column table a_perm; GEMM2 needs no gather (w13's rows are in
-w2's sorted K order). Every case is checked against the float reference on the ORIGINAL checkpoint
-layout with its g_idx (reference.fused_moe_wna16_ref -> dequantize_ref), an independent path.
+w2's sorted K order). Under tensor parallelism a rank's intermediate rows hold partial groups: each
+group is padded to whole runs (ActOrderLayout), and the ranks' outputs must sum to the unsharded layer.
+Every case is checked against the float reference on the ORIGINAL checkpoint layout with its g_idx
+(reference.fused_moe_wna16_ref -> dequantize_ref), an independent path.
 Runs under the Triton interpreter (TRITON_INTERPRET=1, set by conftest).
 """
 
 import dataclasses
+import math
 import os
-import re
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -18,12 +20,19 @@ import torch  # noqa: E402
 
 from vllm_wna16_plugin import _vllm, packing  # noqa: E402
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, RunOptions, registry  # noqa: E402
-from vllm_wna16_plugin.backends.base import act_order_issue, sort_act_order  # noqa: E402
+from vllm_wna16_plugin.backends.base import (  # noqa: E402
+    MIN_RUN,
+    act_order_issue,
+    act_order_layout,
+    act_order_split_issue,
+    sort_act_order,
+)
 from vllm_wna16_plugin.kernels.options import KernelOptions  # noqa: E402
 from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig as Cfg  # noqa: E402
 from vllm_wna16_plugin.kernels.triton.fused_moe import fused_moe_wna16_triton  # noqa: E402
+from vllm_wna16_plugin.launch_plan import LayerRunner  # noqa: E402
 from vllm_wna16_plugin.oracle import select_backend  # noqa: E402
-from vllm_wna16_plugin.reference import fused_moe_ref, fused_moe_wna16_ref  # noqa: E402
+from vllm_wna16_plugin.reference import dequantize_ref, fused_moe_ref, fused_moe_wna16_ref  # noqa: E402
 from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme  # noqa: E402
 
 from .conftest import assert_close_scaled, quantized_experts  # noqa: E402
@@ -183,12 +192,28 @@ def test_gate_and_up_with_different_act_orders_are_refused_on_triton_auto_falls_
         sort_act_order(t, 4)
 
 
-def test_unequal_groups_are_refused_with_the_group_named():
+def test_unequal_groups_along_hidden_are_refused_with_the_group_named():
+    # GEMM1's K (hidden) is never split: unequal groups there are a broken checkpoint
+    t, *_ = make_case(M=1, H=128, inter=64, E=2, top_k=1, bits=4, gs=32, zp=False, seed=16)
+    g13 = t.w13_g_idx.clone()
+    g13[1, :, (g13[1, 0] == 1).nonzero()[0]] = 0  # expert 1: group 0 gets 33 rows, group 1 31
+    issue = act_order_issue(g13, t.w2_g_idx, t.w13_scales, t.w2_scales)
+    assert issue.startswith("gate/up (K=hidden): local expert 1: group 0 has 33 of K=128 rows, not group_size=32")
+
+
+def test_unequal_groups_along_intermediate_are_padded_not_refused():
+    # the old rule refused them ("down (K=intermediate): ... group 0 has 33 of K=64 rows"); a TP rank's
+    # slice always has them, and the padded layout runs them exactly (the TP tests below)
     t, *_ = make_case(M=1, H=128, inter=64, E=2, top_k=1, bits=4, gs=32, zp=False, seed=16)
     g2 = t.w2_g_idx.clone()
     g2[1, (g2[1] == 1).nonzero()[0]] = 0  # expert 1: group 0 gets 33 rows, group 1 31
-    issue = act_order_issue(t.w13_g_idx, g2, t.w13_scales, t.w2_scales)
-    assert issue.startswith("down (K=intermediate): local expert 1: group 0 has 33 of K=64 rows, not group_size=32")
+    assert act_order_issue(t.w13_g_idx, g2, t.w13_scales, t.w2_scales) is None
+    layout = act_order_layout(dataclasses.replace(t, w2_g_idx=g2), 4)
+    assert layout.padded and layout.run == MIN_RUN and layout.rows2.shape == (2, 80)  # 48 + 32 rows of expert 1
+    g2[0, 0] = 2  # a group the scale table does not have is still refused
+    assert "down (K=intermediate): local expert 0: g_idx names a group outside the 2" in act_order_issue(
+        t.w13_g_idx, g2, t.w13_scales, t.w2_scales
+    )
 
 
 def test_launcher_checks_a_perm():
@@ -196,6 +221,114 @@ def test_launcher_checks_a_perm():
     s = sort_act_order(t, 4)
     with pytest.raises(ValueError, match=r"a_perm must be \(E=2, H=128\) int32"):
         fused_moe_wna16_triton(x, *s.weights(), w, ids, bits=4, a_perm=s.a_perm.long())
+
+
+# ---------------------------------------------------------------- tensor parallelism: padded groups
+
+
+def shard(t: KernelTensors, rank: int, tp: int, bits: int) -> KernelTensors:
+    """Rank `rank` of `tp` as vLLM's FusedMoE shards the layer (weight_loading.shard_logical), in plain
+    unpack/pack: w13's gate and up rows of the rank's intermediate slice (full-K g_idx), w2's K rows of the
+    slice with their g_idx and the scale and zero-point tables of every group."""
+    inter = t.w13_qweight.shape[1] // 2
+    own = torch.arange(rank * inter // tp, (rank + 1) * inter // tp)
+    rows = torch.cat([own, own + inter])
+    w13 = packing.from_kernel_layout(packing.KernelWeights(t.w13_qweight, t.w13_scales, t.w13_qzeros), bits)
+    z13 = None if w13.zeros is None else w13.zeros[:, rows]
+    kw = packing.to_kernel_layout(packing.QuantizedWeight(w13.q[:, rows], w13.scales[:, rows], z13, bits, 1))
+    q2 = packing.unpack_along(t.w2_qweight, bits, dim=-1, word_bits=8)[..., own]
+    return KernelTensors(
+        kw.qweight, packing.pack_along(q2, bits, dim=-1, word_bits=8), kw.scales, t.w2_scales, kw.qzeros,
+        t.w2_qzeros, t.w13_g_idx, t.w2_g_idx[:, own].contiguous(),
+    )  # fmt: skip
+
+
+def _rank_problem(t: KernelTensors, bits, gs, dtype):
+    scheme = WNA16Scheme(bits, gs, t.w13_qzeros is not None, PackFormat.GPTQ, desc_act=True, source="test")
+    inter = t.w13_qweight.shape[1] // 2
+    return MoEProblem(
+        scheme=scheme, hidden=t.w2_qweight.shape[1], intermediate=inter, num_experts=t.w13_qweight.shape[0],
+        global_num_experts=t.w13_qweight.shape[0], top_k=2, group_size_w13=gs, group_size_w2=math.gcd(gs, inter),
+        act_dtype=dtype, platform="cpu", has_g_idx=True,
+    )  # fmt: skip
+
+
+# (tp, M, H, inter, bits, gs, zp, dtype, config): config None runs the layer's own plan (LayerRunner)
+TP_CASES = [
+    # K tails: H=320 on BLOCK_SIZE_K 128, and a padded I that is no multiple of it
+    pytest.param(2, 5, 320, 192, 4, 32, True, BF16, Cfg(16, 32, 128), id="tp2-int4-asym-gs32-H320-M5"),
+    pytest.param(2, 1, 320, 192, 4, 32, False, BF16, Cfg(1, 32, 128), id="tp2-int4-sym-gs32-pair"),
+    pytest.param(4, 3, 256, 512, 4, 128, False, BF16, None, id="tp4-int4-sym-gs128-plan"),
+    pytest.param(2, 33, 192, 256, 8, 64, True, FP16, Cfg(16, 32, 64), id="tp2-int8-asym-gs64-fp16-M33"),
+    pytest.param(4, 1, 128, 256, 8, 64, False, BF16, None, id="tp4-int8-sym-gs64-plan"),
+    # I per rank 192 with group 128 (Qwen3-30B-A3B's down projection at TP4): no whole group on any rank
+    pytest.param(4, 5, 256, 768, 4, 128, True, BF16, Cfg(16, 64, 64, SPLIT_K=2), id="tp4-int4-asym-gs128-I768-splitk"),
+]
+
+
+@pytest.mark.parametrize("tp,M,H,inter,bits,gs,zp,dtype,config", TP_CASES)
+def test_tp_ranks_run_padded_act_order_and_sum_to_the_unsharded_layer(tp, M, H, inter, bits, gs, zp, dtype, config):
+    t, x, w, ids, _ = make_case(M=M, H=H, inter=inter, E=4, top_k=2, bits=bits, gs=gs, zp=zp, dtype=dtype,
+                                seed=300 + tp + M + gs + bits)  # fmt: skip
+    total = torch.zeros(M, H)
+    for rank in range(tp):
+        rt = shard(t, rank, tp, bits)
+        assert act_order_issue(rt.w13_g_idx, rt.w2_g_idx, rt.w13_scales, rt.w2_scales) is None
+        layout = act_order_layout(rt, bits)
+        assert layout.padded, "a rank's slice of a random act order holds partial groups"
+        if config is None:  # the layer's path: prepare pads, the plan is made for K = I_pad and group = run
+            problem = _rank_problem(rt, bits, gs, dtype)
+            runner = LayerRunner(select_backend(problem, "triton", "test"), rt)
+            assert (runner.problem.intermediate, runner.problem.group_size_w2) == (layout.rows2.shape[1], layout.run)
+            gemm2 = runner.plan(M).launch.gemm2.config
+            gemm2.check_shape(layout.rows2.shape[1], layout.run)
+            out = runner.run(x, w, ids)
+        else:
+            s = sort_act_order(rt, bits)
+            out = fused_moe_wna16_triton(
+                x, *s.weights(), w, ids, bits=bits, w13_qzeros=s.w13_qzeros, w2_qzeros=s.w2_qzeros,
+                a_perm=s.a_perm, configs=config, use_td=False, out=torch.full_like(x, float("nan")),
+            )  # fmt: skip
+        assert_close_scaled(out, reference(rt, x, w, ids, None, bits), dtype, f"rank {rank} of {tp}")
+        total += out.float()
+    # every partial output is rounded to the compute dtype once: the sum carries tp roundings
+    assert_close_scaled(total, reference(t, x, w, ids, None, bits).float(), dtype, f"sum of {tp} ranks")
+
+
+@pytest.mark.parametrize("bits,zp", [(4, True), (4, False), (8, True)])
+def test_padded_rank_weights_reassemble_the_ranks_permuted_weights(bits, zp):
+    # dequantized, the padded layout is the rank's weight with rows moved (GEMM1's K by perm1, the
+    # intermediate by rows2) and padding rows of exactly 0; every chunk of `run` rows lies in one group
+    t, *_ = make_case(M=1, H=192, inter=384, E=3, top_k=1, bits=bits, gs=64, zp=zp, seed=31)
+    for rank in range(4):
+        rt = shard(t, rank, 4, bits)
+        layout = act_order_layout(rt, bits)
+        s = sort_act_order(rt, bits)
+        rows, pad = layout.rows2, layout.rows2 < 0
+        i_pad = rows.shape[1]
+        assert i_pad % layout.run == 0 and layout.chunk_groups.shape == (3, i_pad // layout.run)
+        for e in range(3):  # each of the rank's 96 rows once, the rest padding
+            assert torch.equal(rows[e][~pad[e]].sort().values, torch.arange(96))
+            g = rt.w2_g_idx[e].long()[rows[e].clamp(min=0)]
+            chunk = layout.chunk_groups[e].repeat_interleave(layout.run)
+            assert torch.equal(g[~pad[e]], chunk[~pad[e]])
+        w2 = dequantize_ref(rt.w2_qweight, rt.w2_scales, rt.w2_qzeros, bits, rt.w2_g_idx)  # (E, H, 96)
+        w2_pad = dequantize_ref(s.w2_qweight, s.w2_scales, s.w2_qzeros, bits)  # (E, H, I_pad), groups of run
+        expected = torch.gather(w2, -1, rows.clamp(min=0)[:, None, :].expand(-1, 192, -1)).masked_fill(pad[:, None], 0)
+        assert torch.equal(w2_pad, expected)
+        w13 = dequantize_ref(rt.w13_qweight, rt.w13_scales, rt.w13_qzeros, bits, rt.w13_g_idx)  # (E, 192, H)
+        w13 = torch.gather(w13, -1, layout.perm1[:, None, :].expand(-1, 192, -1))  # GEMM1's sorted K
+        rows13 = torch.cat([rows, torch.where(pad, rows, rows + 96)], 1)
+        pad13 = torch.cat([pad, pad], 1)
+        expected = torch.gather(w13, 1, rows13.clamp(min=0)[:, :, None].expand(-1, -1, 192))
+        w13_pad = dequantize_ref(s.w13_qweight, s.w13_scales, s.w13_qzeros, bits)
+        assert torch.equal(w13_pad, expected.masked_fill(pad13[:, :, None], 0))
+        assert bool((s.w13_scales[pad13] == 0).all())  # 0 whatever the padded rows' weights and zeros
+
+
+def test_act_order_is_no_longer_refused_before_loading_at_any_tp():
+    scheme = WNA16Scheme(4, 128, False, PackFormat.GPTQ, desc_act=True, source="test")
+    assert all(act_order_split_issue(scheme, tp) is None for tp in (1, 2, 4, 8))
 
 
 # ---------------------------------------------------------------- through the plugin's loader
@@ -225,9 +358,9 @@ def _act_order_experts(n, k, gen, g_idx):
     return torch.stack(dense), tensors
 
 
-def _gptq_checkpoint(gen, tp_note=""):
-    g_h = act_order_g_idx(E, H, GS, gen)  # gate and up share the input's act order (GPTQ sorts by x's Hessian)
-    g_i = act_order_g_idx(E, I, GS, gen)
+def _gptq_checkpoint(gen, g_idx=None):
+    # gate and up share the input's act order (GPTQ sorts by x's Hessian)
+    g_h, g_i = g_idx or (act_order_g_idx(E, H, GS, gen), act_order_g_idx(E, I, GS, gen))
     w_gate, q_gate = _act_order_experts(I, H, gen, g_h)
     w_up, q_up = _act_order_experts(I, H, gen, g_h)
     w_down, q_down = _act_order_experts(H, I, gen, g_i)
@@ -268,25 +401,82 @@ def test_gptq_desc_act_layer_loads_sorted_and_runs_on_triton(vllm_cpu, monkeypat
     assert_close_scaled(out, ref, BF16, "GPTQ desc_act through the loader on triton")
 
 
-def test_gptq_desc_act_under_tp2_is_refused_on_triton_and_named(vllm_cpu, monkeypatch):
-    # Under TP the down projection's K is split: a rank holds an uneven share of each act-order group.
-    # That is known from the config, so an explicit triton is refused before any weight is read, and
-    # auto plans reference; loaded, the rank's own g_idx gives the group that is not whole.
+def _tp_layer(vllm_cpu, monkeypatch, rank, tp, backend):
     from tests.conftest import build_moe_layer
 
+    monkeypatch.setattr(_vllm, "layer_tp", lambda layer: (rank, tp))
+    monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", backend)
+    return build_moe_layer(vllm_cpu, RAW_GPTQ_ACT, E=E, H=H, I=I, top_k=TOP_K, tp_size=tp)
+
+
+def test_gptq_desc_act_under_tp2_runs_padded_on_triton_and_ranks_sum_to_the_layer(vllm_cpu, monkeypatch):
+    # Under TP the down projection's K is split: a rank holds an uneven share of each act-order group. The
+    # old code refused triton here (before any weight was read) and auto fell back to reference.
     gen = torch.Generator().manual_seed(19)
-    _, _, weights = _gptq_checkpoint(gen)
-    monkeypatch.setattr(_vllm, "layer_tp", lambda layer: (0, 2))
-    monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", "triton")
-    with pytest.raises(ValueError, match=r"backend 'triton'.*down projection's K is split over tp_size=2 ranks"):
-        build_moe_layer(vllm_cpu, RAW_GPTQ_ACT, E=E, H=H, I=I, top_k=TOP_K, tp_size=2)
-    monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", "auto")
-    layer = build_moe_layer(vllm_cpu, RAW_GPTQ_ACT, E=E, H=H, I=I, top_k=TOP_K, tp_size=2)
-    list(layer.load_weights(weights))
+    w13, w2, weights = _gptq_checkpoint(gen)
+    x = torch.randn(6, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(6)])
+    w = torch.rand(6, TOP_K, generator=gen)
+    total = torch.zeros(6, H)
+    for rank in range(2):
+        auto = _tp_layer(vllm_cpu, monkeypatch, rank, 2, "auto")  # on CPU auto plans reference, as at TP=1
+        assert auto.quant_method.problem.act_order_issue is None
+        layer = _tp_layer(vllm_cpu, monkeypatch, rank, 2, "triton")  # an explicit triton is no longer refused
+        list(layer.load_weights(weights))
+        method = layer.quant_method
+        method.process_weights_after_loading(layer)
+        assert method.problem.has_g_idx and method.problem.act_order_issue is None
+        assert method.selection.backend.name == "triton"
+        # on an H200, auto picks triton for the loaded rank (the cuda backend still refuses act order)
+        h200 = dataclasses.replace(method.problem, platform="cuda", sm=90, options=RunOptions(plan_only=True))
+        assert select_backend(h200).backend.name == "triton"
+        assert "act order" in registry()["cuda"].incompatibility_reason(h200)
+        state = method.runner.states["triton"]
+        i_pad = state.w13_qweight.shape[1] // 2
+        assert i_pad > I // 2 and method.runner.problem.intermediate == i_pad
+        assert method.runner.problem.group_size_w2 == i_pad // state.w2_scales.shape[-1]
+        # the padded tensors replace the parameters' data: one copy in memory
+        for (gemm, kind), name in method.param_names.items():
+            if kind in ("qweight", "scales", "qzeros"):
+                assert getattr(layer, name).data_ptr() == getattr(state, f"{gemm}_{kind}").data_ptr(), name
+        total += method.apply(layer, x, w, ids, None, None).float()
+    assert_close_scaled(total, fused_moe_ref(x, w13, w2, w, ids), BF16, "GPTQ desc_act, TP=2, sum of ranks")
+
+
+def test_padded_act_order_reloads_through_vllms_layerwise_reload(vllm_cpu, monkeypatch):
+    # vLLM's reload_weights restores the created (checkpoint-layout) shapes, loads, processes and copies the
+    # result into the layer's tensors: the padded parameters keep their storage and take the new weights.
+    # A plain load into the processed (padded) parameters is refused instead of writing the wrong rows.
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+        record_metadata_for_reloading,
+    )
+
+    gen = torch.Generator().manual_seed(21)
+    g_h, g_i = act_order_g_idx(E, H, GS, gen), act_order_g_idx(E, I, GS, gen)
+    layer = _tp_layer(vllm_cpu, monkeypatch, 1, 2, "triton")
+    record_metadata_for_reloading(layer)
+    list(layer.load_weights(_gptq_checkpoint(gen, g_idx=(g_h, g_i))[2]))
     layer.quant_method.process_weights_after_loading(layer)
-    assert layer.quant_method.selection.backend.name == "reference"
-    reason = layer.quant_method.problem.act_order_issue
-    assert re.match(r"down \(K=intermediate\): local expert \d+: group \d+", reason), reason
+    name = layer.quant_method.param_names[("w13", "qweight")]
+    before = getattr(layer, name)
+    assert before.shape[1] > I  # 2 * I_pad rows on this rank, not 2 * I / 2
+    with pytest.raises(ValueError, match=r"holds the processed act-order layout .* reload_weights"):
+        list(layer.load_weights(_gptq_checkpoint(gen, g_idx=(g_h, g_i))[2]))
+    w13, w2, weights = _gptq_checkpoint(gen, g_idx=(g_h, g_i))  # new weights, the same act order
+    initialize_layerwise_reload(layer)
+    list(layer.load_weights(weights))
+    finalize_layerwise_reload(layer, vllm_cpu.model_config)
+    after = getattr(layer, name)
+    assert after is before and after.data_ptr() == before.data_ptr()
+    x = torch.randn(6, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(6)])
+    w = torch.rand(6, TOP_K, generator=gen)
+    out = layer.quant_method.apply(layer, x, w, ids, None, None)
+    own = slice(I // 2, I)
+    exact = fused_moe_ref(x, torch.cat([w13[:, :I][:, own], w13[:, I:][:, own]], 1), w2[:, :, own], w, ids)
+    assert_close_scaled(out, exact, BF16, "rank 1 after reload")
 
 
 # ---------------------------------------------------------------- GPU code generation, without a GPU

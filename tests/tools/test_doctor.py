@@ -227,20 +227,21 @@ def test_doctor_refuses_two_groups_giving_experts_different_schemes(four_layers,
 # ---------------------------------------------------------------- doctor fails where loading would
 
 
-def test_doctor_refuses_act_order_that_cannot_be_regrouped(four_layers, tmp_path):
+def test_doctor_plans_act_order_at_tp_padded_and_refuses_where_no_group_fits(four_layers, tmp_path):
     quant = _GPTQ | {"group_size": 128, "desc_act": True}
     path = _with_config(four_layers, tmp_path, quantization_config=quant, moe_intermediate_size=768,
                         num_attention_heads=48)  # fmt: skip
-    assert "act-order" in plan(path, tp=2)  # K=384 per rank: three whole groups
-    with pytest.raises(
-        ValueError,
-        match=r"--tp=4 \(tensor-parallel size, TP\) cannot load this checkpoint: .*K=192 per rank.*cannot use act "
-        r"order \(quantization_config\.desc_act\).*TP sizes that pass every check \(up to 16\): 1, 2, 3, 6$",
-    ):
-        plan(path, tp=4)
-    # without act order, TP4 re-groups 128 -> 64 exactly
-    assert "re-grouped exactly" in plan(_with_config(four_layers, tmp_path, quantization_config=_GPTQ | {
-        "group_size": 128}, moe_intermediate_size=768, num_attention_heads=48), tp=4)  # fmt: skip
+    assert "act-order" in plan(path, tp=2)  # K=384 per rank: three whole groups' worth
+    # K=192 per rank: formerly refused ("cannot use act order"); the rank's groups are padded on triton
+    at_tp4 = plan(path, tp=4, launch_configs=False)
+    assert "down     K=   192 N=   256 group=64 (re-grouped exactly)" in at_tp4
+    assert re.search(r"act order: triton pads each group's rows on a rank to runs of 16: K=\d+ \(1\.\d\dx\)", at_tp4)
+    assert "backend on sm90 (auto): triton" in at_tp4
+    # K=24 per rank (I=384 at TP16): no exact group size, as without act order
+    small = _with_config(four_layers, tmp_path, quantization_config=quant, moe_intermediate_size=384,
+                         num_attention_heads=48)  # fmt: skip
+    with pytest.raises(ValueError, match=r"--tp=16 .*K=24 per rank.*cannot use quantization_config\.group_size=128"):
+        plan(small, tp=16)
 
 
 def test_doctor_tp_that_does_not_divide_lists_the_tp_sizes_that_do(four_layers, tmp_path):
@@ -352,14 +353,21 @@ def test_doctor_keeps_import_noise_off_stderr_on_a_machine_without_a_gpu(gs32_k2
     assert done.stderr.strip() == "", done.stderr
 
 
-def test_doctor_plans_act_order_at_tp_on_reference_and_without_tp_on_triton(tmp_path):
-    """A rank's slice of an act-order down projection does not hold whole groups: triton cannot sort it."""
+def test_doctor_plans_act_order_on_triton_at_any_tp_with_the_padded_down_projection(tmp_path):
+    """A rank's slice of an act-order down projection holds partial groups: triton pads them (formerly
+    auto planned reference at TP>1). The plan is made for the padded K of a random act order."""
+    from vllm_wna16_plugin.tools.doctor import layer_problem
+
     path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, desc_act=True, hidden=256,
                            intermediate=128, experts=4, top_k=2, layers=1)  # fmt: skip
     assert "backend on sm90 (auto): triton" in plan(path, tp=1, device="sm90")
     at_tp2 = plan(path, tp=2, device="sm90")
-    assert "backend on sm90 (auto): reference" in at_tp2
-    assert "triton: rejected: act order (desc_act with a non-trivial g_idx) cannot be sorted: the down" in at_tp2
+    assert "backend on sm90 (auto): triton" in at_tp2 and "  - triton: ok" in at_tp2
+    assert "cuda: rejected: act order" in at_tp2
+    k_pad = int(re.search(r"runs of 16: K=(\d+)", at_tp2).group(1))
+    assert k_pad > 64 and k_pad % 16 == 0
+    p = layer_problem(path, tp=2, device="sm90")
+    assert (p.intermediate, p.group_size_w2, p.act_order_issue) == (k_pad, 16, None)
 
 
 def test_doctor_prints_the_launch_plan_of_every_batch_size(gs32_k2048, tmp_path):

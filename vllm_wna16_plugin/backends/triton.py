@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_kwargs, sort_act_order
@@ -41,10 +42,22 @@ class TritonBackend(Backend):
         return None
 
     def prepare(self, problem: MoEProblem, tensors: KernelTensors) -> KernelTensors:
-        """Act order: the sorted layout (base.sort_act_order: new tensors and a_perm); else as given."""
+        """Act order: the sorted layout (base.sort_act_order: new tensors and a_perm, padded on a
+        tensor-parallel rank); else as given."""
         if tensors.a_perm is None and (tensors.w13_g_idx is not None or tensors.w2_g_idx is not None):
             return sort_act_order(tensors, problem.scheme.bits)
         return tensors
+
+    def prepared_problem(self, problem: MoEProblem, state: KernelTensors) -> MoEProblem:
+        """Act order on a tensor-parallel rank runs padded (base.sort_act_order): GEMM2's K is I_pad, in
+        scale groups of the layout's run; the state's shapes say so."""
+        if state.a_perm is None:
+            return problem
+        inter = state.w13_qweight.shape[1] // 2
+        group_size_w2 = inter // state.w2_scales.shape[-1]
+        if (inter, group_size_w2) == (problem.intermediate, problem.group_size_w2):
+            return problem
+        return dataclasses.replace(problem, intermediate=inter, group_size_w2=group_size_w2)
 
     def run(self, problem: MoEProblem, state: KernelTensors, x, topk_weights, topk_ids, *, expert_map=None, plan=None):
         from vllm_wna16_plugin import _vllm

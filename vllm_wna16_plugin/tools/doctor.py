@@ -8,7 +8,7 @@ vLLM 0.26's own choice where vLLM is importable), which backend `auto` would
 pick on the named device, with every rejection's reason, and the launch plan of
 each batch size (launch_plan.plan: backend, kernels, tiles, forms, alignment and
 where each number came from). Where loading would fail
-(a bad config, act order that cannot be re-grouped at --tp, a TP size that does not
+(a bad config, a group size that cannot be re-grouped at --tp, a TP size that does not
 divide) it raises ValueError naming the field or flag and what would work.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from vllm_wna16_plugin.backends import MoEProblem, RunOptions
-from vllm_wna16_plugin.backends.base import act_order_split_issue
+from vllm_wna16_plugin.backends.base import act_order_split_issue, random_act_order_padding
 from vllm_wna16_plugin.block_config import LEGAL_K_RATIOS, choose_cuda_block_config, cuda_group_size
 from vllm_wna16_plugin.checkpoint_config import (
     MAX_SUGGESTED_TP,
@@ -252,8 +252,20 @@ def _launch_config_table(gemms, k: int, e: int, bits: int) -> list[str]:
     return out
 
 
+def _act_order_padding(scheme: WNA16Scheme, dims: MoEDims, tp: int) -> tuple[int, int] | None:
+    """(run, I_pad): act order on a TP rank runs its down projection padded (backends.base.sort_act_order),
+    here for a random act order (random_act_order_padding; the weights fix it at load); None without."""
+    if not scheme.desc_act or scheme.is_channelwise or tp == 1:
+        return None
+    return random_act_order_padding(dims.intermediate, scheme.group_size, tp, dims.experts, hidden=dims.hidden,
+                                    bits=scheme.bits, w13_groups=max(1, dims.hidden // scheme.group_size),
+                                    scale_bytes=2, has_zero_point=scheme.has_zero_point)  # fmt: skip
+
+
 def _problem(scheme, dims: MoEDims, i_loc: int, gs13: int, gs2: int, device: str, tp: int) -> MoEProblem:
     platform, sm = DEVICES[device].platform, DEVICES[device].sm
+    if (padded := _act_order_padding(scheme, dims, tp)) is not None:
+        gs2, i_loc = padded
     return MoEProblem(scheme=scheme, hidden=dims.hidden, intermediate=i_loc, num_experts=dims.experts,
                       global_num_experts=dims.experts, top_k=dims.top_k, group_size_w13=gs13,
                       group_size_w2=gs2, act_dtype=torch.bfloat16, platform=platform, sm=sm,
@@ -387,6 +399,9 @@ def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_con
     for name, size_k, size_n, gs in gemms:
         regroup = "" if gs == scheme.group_size_for(size_k) or scheme.is_channelwise else " (re-grouped exactly)"
         out.append(f"  {name:8s} K={size_k:6d} N={size_n:6d} group={gs if gs != size_k else 'channel'}{regroup}")
+    if (padded := _act_order_padding(scheme, dims, tp)) is not None:
+        out.append(f"  down     act order: triton pads each group's rows on a rank to runs of {padded[0]}: K={padded[1]} "
+                   f"({padded[1] / i_loc:.2f}x) for a random act order, fixed at load")  # fmt: skip
     if launch_configs:
         out += _launch_config_table(gemms, dims.top_k, dims.experts, scheme.bits)
     problem = _problem(scheme, dims, i_loc, gs13, gs2, device, tp)

@@ -25,7 +25,7 @@ import torch
 
 from vllm_wna16_plugin import crossover
 from vllm_wna16_plugin.backends import Backend, KernelTensors, MoEProblem, registry
-from vllm_wna16_plugin.backends.base import layer_device
+from vllm_wna16_plugin.backends.base import layer_device, sort_act_order
 from vllm_wna16_plugin.kernels.options import DeviceSpec
 from vllm_wna16_plugin.oracle import Selection, select_backend
 from vllm_wna16_plugin.user_tables import configs_dir
@@ -151,6 +151,9 @@ def _cuda_plan(problem: MoEProblem, m: int, device: DeviceSpec, layer_backend: s
         verdict = ">=" if launch.kernel1 == "stream" else "<"
         why.append(f"stream kernel: {launch.pairs_per_warp:.1f} pairs of K steps per warp {verdict} "
                    f"{opts.cuda_stream_min_pairs_per_warp:g} (KernelOptions.cuda_stream_min_pairs_per_warp)")  # fmt: skip
+    if problem.has_g_idx:
+        why.append("act order: GEMM1 reads x gathered per routed pair in its expert's K order (one gather of "
+                   f"M*top_k={m * problem.top_k} rows; cuda_ops.act_order_rows)")  # fmt: skip
     align = "plugin one-block alignment (int32 ids)" if launch.own_align else "vLLM moe_align_block_size"
     return LaunchPlan(m, "cuda", layer_backend, device, launch, tuple(rows), align, launch.programmatic, tuple(why))
 
@@ -213,6 +216,10 @@ class LayerRunner:
         self.device = layer_device(self.problem)
         backends = registry()
         self.backends: dict[str, Backend] = {n: backends[n] for n in plan_backends(selection)}
+        has_act_order = tensors.w13_g_idx is not None or tensors.w2_g_idx is not None
+        if has_act_order and tensors.a_perm is None and all(b.sorted_act_order for b in self.backends.values()):
+            tensors = sort_act_order(tensors, self.problem.scheme.bits)  # once, shared by cuda and triton
+        self.tensors = tensors  # the layer's weights as its backends read them (sorted act order included)
         self.states: dict[str, Any] = {n: b.prepare(self.problem, tensors) for n, b in self.backends.items()}
         for n, b in self.backends.items():  # plan the shape that runs (triton pads act order on a TP rank)
             prepared = b.prepared_problem(self.problem, self.states[n])

@@ -16,7 +16,7 @@ import torch
 
 from vllm_wna16_plugin import _vllm
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem
-from vllm_wna16_plugin.backends.base import act_order_issue, act_order_split_issue
+from vllm_wna16_plugin.backends.base import act_order_issue, act_order_padded, act_order_split_issue
 from vllm_wna16_plugin.checkpoint_config import effective_group_size
 from vllm_wna16_plugin.launch_plan import LayerRunner
 from vllm_wna16_plugin.oracle import resolve_request, select_backend
@@ -109,8 +109,9 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 self.param_names[(gemm, kind)] = name
             # Fail before gigabytes are read: an explicit backend that cannot work errors now.
             self.problem = self._make_problem(
-                layer, has_g_idx=scheme.desc_act, act_order_issue=act_order_split_issue(scheme, tp_size)
-            )
+                layer, has_g_idx=scheme.desc_act, act_order_issue=act_order_split_issue(scheme, tp_size),
+                act_order_padded=scheme.desc_act and not scheme.is_channelwise and tp_size > 1,
+            )  # fmt: skip
             self._select(layer)
 
         def _ckpt_name(self, layer, expert_id: int, shard_id: str, kind: str) -> TensorName:
@@ -206,17 +207,22 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 w13_g_idx=g13.data if has_g_idx else None,
                 w2_g_idx=g2.data if has_g_idx else None,
             )
-            issue = None
+            issue, padded = None, False
             if has_g_idx:
                 t = self.tensors
                 issue = act_order_issue(t.w13_g_idx, t.w2_g_idx, t.w13_scales, t.w2_scales)
-            if has_g_idx != self.problem.has_g_idx or issue != self.problem.act_order_issue:
-                self.problem = self._make_problem(layer, has_g_idx=has_g_idx, act_order_issue=issue)
+                padded = act_order_padded(t.w2_g_idx, t.w2_scales)
+            p = self.problem
+            if (has_g_idx, issue, padded) != (p.has_g_idx, p.act_order_issue, p.act_order_padded):
+                self.problem = self._make_problem(layer, has_g_idx=has_g_idx, act_order_issue=issue,
+                                                  act_order_padded=padded)  # fmt: skip
                 self._select(layer)
             self.runner = LayerRunner(self.selection, self.tensors)
-            sorted_state = next(
-                (s for s in self.runner.states.values() if getattr(s, "a_perm", None) is not None), None
-            )
+            sorted_state = self.runner.tensors if self.runner.tensors.a_perm is not None else None
+            if sorted_state is None:  # a single backend that sorts in its own prepare
+                sorted_state = next(
+                    (s for s in self.runner.states.values() if getattr(s, "a_perm", None) is not None), None
+                )
             if sorted_state is not None:
                 # act order, sorted by the backend (backends.base.sort_act_order): the layer's parameters
                 # take the sorted tensors so that one copy stays in memory (g_idx keeps the checkpoint's
@@ -250,7 +256,9 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
 
         # ---------------------------------------------------------------- backend
 
-        def _make_problem(self, layer, *, has_g_idx: bool, act_order_issue: str | None = None) -> MoEProblem:
+        def _make_problem(
+            self, layer, *, has_g_idx: bool, act_order_issue: str | None = None, act_order_padded: bool = False
+        ) -> MoEProblem:
             platform, sm = _vllm.platform_summary()
             return MoEProblem(
                 scheme=self.scheme,
@@ -267,6 +275,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 sm=sm,
                 has_g_idx=has_g_idx,
                 act_order_issue=act_order_issue,
+                act_order_padded=act_order_padded,
                 use_ep=layer.expert_map is not None,
                 apply_router_weight_on_input=bool(layer.apply_router_weight_on_input),
             )

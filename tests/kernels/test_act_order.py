@@ -172,10 +172,32 @@ def test_triton_backend_accepts_sortable_act_order_and_runs_it():
     assert state.a_perm is not None
     out = selection.backend.run(problem, state, x, w, ids)
     assert_close_scaled(out, reference(t, x, w, ids, None, 4), BF16, "triton backend, act order")
-    # on an H200 the triton backend takes it; the cuda backend still refuses act order (not built yet)
+    # on an H200 both kernels take whole-group act order (cuda when asked: this shape has no crossover), and
+    # cuda refuses a tensor-parallel rank's padded layout (runs of 16 rows)
     h200 = dataclasses.replace(problem, platform="cuda", sm=90, options=RunOptions(plan_only=True))
     assert registry()["triton"].incompatibility_reason(h200) is None
-    assert "act order" in registry()["cuda"].incompatibility_reason(h200)
+    named = dataclasses.replace(h200, options=RunOptions(plan_only=True, explicit=True))
+    assert registry()["cuda"].incompatibility_reason(named) is None
+    padded = dataclasses.replace(named, act_order_padded=True)
+    assert "act order on a tensor-parallel rank" in registry()["cuda"].incompatibility_reason(padded)
+    assert registry()["triton"].incompatibility_reason(padded) is None
+
+
+def test_a_cuda_layer_under_auto_sorts_act_order_once_for_both_kernels():
+    # the runner sorts (sort_act_order) once; the cuda state shares the sorted packed weights and a_perm
+    from vllm_wna16_plugin.launch_plan import plan_backends
+
+    t, *_ = make_case(M=3, H=128, inter=64, E=4, top_k=2, bits=4, gs=32, zp=True, seed=16)
+    problem = dataclasses.replace(_problem(), platform="cuda", sm=90, options=RunOptions(plan_only=True))
+    selection = select_backend(problem, "cuda", "test")
+    selection = dataclasses.replace(selection, problem=dataclasses.replace(selection.problem, options=RunOptions(
+        plan_only=True)))  # fmt: skip
+    assert plan_backends(selection) == ("cuda", "triton")
+    runner = LayerRunner(selection, t)
+    assert runner.tensors.a_perm is not None
+    cuda, triton = runner.states["cuda"], runner.states["triton"]
+    assert triton is runner.tensors and cuda.w13_qweight is triton.w13_qweight and cuda.a_perm is triton.a_perm
+    assert torch.equal(cuda.w13_scales, triton.w13_scales)  # the same values, group-major (cuda_layout)
 
 
 def test_gate_and_up_with_different_act_orders_are_refused_on_triton_auto_falls_back():

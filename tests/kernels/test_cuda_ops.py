@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_wna16_plugin.backends import RunOptions, registry
+from vllm_wna16_plugin.backends import KernelTensors, RunOptions, registry
 from vllm_wna16_plugin.block_config import choose_cuda_block_config
 from vllm_wna16_plugin.kernels.cuda_ops import extension_error, gemm_config, launch_config_error
 from vllm_wna16_plugin.kernels.options import DEFAULT_OPTIONS
@@ -403,3 +403,74 @@ def test_an_extension_with_its_own_static_libstdcxx_is_not_used(tmp_path):
         subprocess.run(["g++", "-shared", "-fPIC", *flags, str(src), "-o", str(tmp_path / f"{name}.so")], check=True)
     assert "linked with a static libstdc++" in static_libstdcxx_error(str(tmp_path / "static.so"))
     assert static_libstdcxx_error(str(tmp_path / "shared.so")) is None
+
+
+# ---------------------------------------------------------------- act order through the layer launcher (CPU)
+
+
+def _emulated_gemm(a, qweight, scales, qzeros, c, topk_weights, sorted_token_ids, expert_ids, num_tokens_post_padded,
+                   *, bits, top_k, config, kernel="auto", activation="none", programmatic=False,
+                   weights_before_wait=False):  # fmt: skip
+    """torch.ops.wna16_plus.moe_wna16_gemm's contract in float32 torch (csrc/moe_wna16_gemm.cu): for each
+    pair p of each block of sorted_token_ids, c[p] = [w_p *] act(a[p // top_k] @ dequant(W[e]).T), with
+    rows n and N/2 + n of W the gate and up of column n when the activation is fused."""
+    from vllm_wna16_plugin.reference import dequantize_ref
+
+    w = dequantize_ref(qweight, scales.contiguous(), None if qzeros is None else qzeros.contiguous(), bits)
+    bm, num_pairs = config.block_size_m, c.shape[0]
+    for block in range(int(num_tokens_post_padded[0]) // bm):
+        e = int(expert_ids[block])
+        for p in sorted_token_ids[block * bm : (block + 1) * bm].tolist():
+            if e < 0 or p >= num_pairs:
+                continue
+            y = a[p // top_k].float() @ w[e].T
+            if activation != "none":
+                gate, up = y.chunk(2)
+                y = (torch.nn.functional.silu(gate) if activation == "silu" else torch.nn.functional.gelu(gate)) * up
+            c[p] = (y if topk_weights is None else y * topk_weights[p]).to(c.dtype)
+    return c
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("zp, gs, emap", [(True, 32, False), (False, 64, True)])
+def test_act_order_layer_reads_x_in_each_experts_k_order(zp, gs, emap, monkeypatch):
+    # the launcher's part of act order on `cuda` (cuda_ops.act_order_rows, GEMM1 read by pair), with the CUDA
+    # op emulated by its contract on CPU: the sorted layout must give the unsorted checkpoint's layer
+    from tests.kernels.conftest import assert_close_scaled, quantized_experts
+    from vllm_wna16_plugin.backends.base import sort_act_order
+    from vllm_wna16_plugin.backends.cuda import cuda_layout
+    from vllm_wna16_plugin.kernels import cuda_ops
+    from vllm_wna16_plugin.kernels.align import moe_align_block_size_torch
+    from vllm_wna16_plugin.reference import fused_moe_wna16_ref
+
+    gen = torch.Generator().manual_seed(41)
+    E, H, inter, top_k, m = 4, 256, 128, 2, 5  # noqa: N806
+    w13 = quantized_experts(E, 2 * inter, H, 4, gs, zp, torch.bfloat16, gen)
+    w2 = quantized_experts(E, H, inter, 4, gs, zp, torch.bfloat16, gen)
+    g13 = torch.stack([torch.randperm(H, generator=gen) // gs for _ in range(E)]).to(torch.int32)
+    g2 = torch.stack([torch.randperm(inter, generator=gen) // gs for _ in range(E)]).to(torch.int32)
+    t = KernelTensors(w13.qweight, w2.qweight, w13.scales, w2.scales, w13.qzeros, w2.qzeros,
+                      torch.stack([g13, g13], 1), g2)  # fmt: skip
+    n_global = 2 * E if emap else E
+    expert_map = None
+    if emap:  # this rank holds experts 1, 3, 4, 6 of 8
+        expert_map = torch.full((n_global,), -1, dtype=torch.int32)
+        expert_map[torch.tensor([1, 3, 4, 6])] = torch.arange(E, dtype=torch.int32)
+    x = torch.randn(m, H, generator=gen).bfloat16()
+    w, ids = torch.topk(torch.randn(m, n_global, generator=gen).softmax(-1), top_k, dim=-1)
+    ids = ids.to(torch.int32)
+    ref = fused_moe_wna16_ref(x, *t.weights(), w, ids, bits=4, w13_qzeros=t.w13_qzeros, w2_qzeros=t.w2_qzeros,
+                              w13_g_idx=t.w13_g_idx, w2_g_idx=t.w2_g_idx, expert_map=expert_map)  # fmt: skip
+
+    monkeypatch.setattr(cuda_ops, "extension_error", lambda: None)
+    monkeypatch.setattr(cuda_ops, "invoke_moe_wna16_gemm", _emulated_gemm)
+    monkeypatch.setattr(cuda_ops, "align_block_size",
+                        lambda ids, bm, n, emap, *a, **k: moe_align_block_size_torch(ids, bm, n, emap))  # fmt: skip
+    s = cuda_layout(sort_act_order(t, 4))
+    kw = dict(bits=4, align_fn=None, w13_qzeros=s.w13_qzeros, w2_qzeros=s.w2_qzeros, expert_map=expert_map,
+              global_num_experts=n_global)  # fmt: skip
+    out = cuda_ops.fused_moe_wna16_cuda(x, *s.weights(), w, ids, **kw, a_perm=s.a_perm)
+    assert_close_scaled(out, ref, torch.bfloat16, "cuda layer, act order (op emulated)")
+    # the premise: without the gather the sorted weights meet x in the wrong order
+    wrong = cuda_ops.fused_moe_wna16_cuda(x, *s.weights(), w, ids, **kw)
+    assert (wrong.float() - ref.float()).abs().max() > 0.1 * ref.float().abs().max()

@@ -326,6 +326,34 @@ def test_programmatic_launches_chain_layers_as_plain_launches_do(kernel):
         assert torch.equal(c, want), f"layer {i}: the graph's programmatic launches changed the result"
 
 
+# act order on the CUDA kernel: the sorted layout (backends.base.sort_act_order) with GEMM1's A gathered per
+# pair (cuda_ops.act_order_rows), every kernel form, against the float reference of the unsorted checkpoint
+@pytest.mark.parametrize("kernel", ["stream", "tiles", "gemv"])
+@pytest.mark.parametrize("M, gs, zp, bits", [(1, 128, False, 4), (7, 32, True, 4), (24, 64, True, 8)])
+def test_act_order_runs_sorted_on_the_cuda_kernel(M, gs, zp, bits, kernel):
+    from vllm_wna16_plugin.backends import KernelTensors
+    from vllm_wna16_plugin.backends.base import sort_act_order
+    from vllm_wna16_plugin.backends.cuda import cuda_layout
+
+    gen = torch.Generator().manual_seed(M + gs)
+    E, H, inter, top_k = 16, 1024, 512, 4  # noqa: N806
+    w13 = quantized_experts(E, 2 * inter, H, bits, gs, zp, BF16, gen)
+    w2 = quantized_experts(E, H, inter, bits, gs, zp, BF16, gen)
+    g13 = torch.stack([torch.randperm(H, generator=gen) // gs for _ in range(E)]).to(torch.int32)
+    g2 = torch.stack([torch.randperm(inter, generator=gen) // gs for _ in range(E)]).to(torch.int32)
+    t = KernelTensors(*(None if v is None else v.cuda() for v in (
+        w13.qweight, w2.qweight, w13.scales, w2.scales, w13.qzeros, w2.qzeros, torch.stack([g13, g13], 1), g2)))  # fmt: skip
+    x = torch.randn(M, H, generator=gen).to(BF16).cuda()
+    w, ids = torch.topk(torch.randn(M, E, generator=gen).softmax(-1), top_k, dim=-1)
+    w, ids = w.cuda(), ids.to(torch.int32).cuda()
+    ref = fused_moe_wna16_ref(x, *t.weights(), w, ids, bits=bits, w13_qzeros=t.w13_qzeros, w2_qzeros=t.w2_qzeros,
+                              w13_g_idx=t.w13_g_idx, w2_g_idx=t.w2_g_idx)  # fmt: skip
+    s = cuda_layout(sort_act_order(t, bits))
+    out = fused_moe_wna16_cuda(x, *s.weights(), w, ids, bits=bits, align_fn=_align(), w13_qzeros=s.w13_qzeros,
+                               w2_qzeros=s.w2_qzeros, options=_layer_options(kernel), a_perm=s.a_perm)  # fmt: skip
+    assert_close_scaled(out.cpu(), ref.cpu(), BF16, f"act order on cuda ({kernel})")
+
+
 def test_bad_input_is_refused_before_the_launch():
     p = make_moe_problem(M=2, H=256, I=128, E=4, top_k=2, bits=4, gs1=32, seed=5)
     args, kw = _cuda(p)

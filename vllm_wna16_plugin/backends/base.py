@@ -49,6 +49,10 @@ class MoEProblem:
     has_g_idx: bool = False  # act order with a non-trivial g_idx
     # act order that cannot take the sorted layout (act_order_issue; set at load): why
     act_order_issue: str | None = None
+    # act order whose down-projection groups this rank holds unevenly (a tensor-parallel split): the sorted
+    # layout pads them to runs of 16 rows (ActOrderLayout.padded), which only the Triton kernel takes.
+    # Predicted at create_weights (TP > 1), measured at load (act_order_padded)
+    act_order_padded: bool = False
     use_ep: bool = False
     apply_router_weight_on_input: bool = False
     options: RunOptions = RunOptions()
@@ -225,6 +229,15 @@ def act_order_issue(
     return None
 
 
+def act_order_padded(w2_g_idx: torch.Tensor | None, w2_scales: torch.Tensor) -> bool:
+    """Whether the sorted layout pads this layer's down projection: some group of its g_idx does not hold
+    exactly I / G rows on this rank (a tensor-parallel split of act order)."""
+    if w2_g_idx is None:
+        return False
+    g2 = w2_scales.shape[-1]
+    return sort_groups(w2_g_idx, g2)[1] is not None
+
+
 def act_order_layout(tensors: KernelTensors, bits: int) -> ActOrderLayout:
     """The sorted layout of a layer with act order (ActOrderLayout); ValueError with act_order_issue's
     reason when there is none. A missing g_idx is the trivial one."""
@@ -318,6 +331,9 @@ class Backend:
 
     name: str = ""
     description: str = ""
+    # whether the backend runs act order in the sorted layout (sort_act_order: weights sorted, a_perm); the
+    # layer's runner then sorts once for every backend of its plans (launch_plan.LayerRunner)
+    sorted_act_order: bool = False
 
     def incompatibility_reason(self, problem: MoEProblem) -> str | None:
         raise NotImplementedError

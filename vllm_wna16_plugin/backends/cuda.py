@@ -1,7 +1,8 @@
 """`cuda`: the plugin's own CUDA WNA16 MoE GEMM (csrc/, torch.ops.wna16_plus) for decode and small batches.
 
 Its rules: an NVIDIA GPU, the extension built (setup.py), int4 or int8, group sizes the launch-config
-module takes (32/64/128) or channel-wise, K % 8 == 0, no act order, silu/gelu,
+module takes (32/64/128) or channel-wise, K % 8 == 0, silu/gelu, act order in the sorted layout with
+whole groups (not a tensor-parallel rank's padded one: base.act_order_padded),
 and bf16 only from sm80. `auto` takes it for a layer where crossover.py's table (the user's tuned one,
 then the shipped one) has a winning range of batch sizes on this device, or, for a shape without an
 entry, where the shape rule below takes some batch size; the layer's launch plan (launch_plan.py) then
@@ -18,7 +19,14 @@ import functools
 import torch
 
 from vllm_wna16_plugin import crossover
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_device, layer_kwargs
+from vllm_wna16_plugin.backends.base import (
+    Backend,
+    KernelTensors,
+    MoEProblem,
+    layer_device,
+    layer_kwargs,
+    sort_act_order,
+)
 from vllm_wna16_plugin.block_config import cuda_group_reason
 from vllm_wna16_plugin.kernels.options import DeviceSpec
 
@@ -104,6 +112,7 @@ def measured_ranges(problem: MoEProblem) -> tuple[tuple[int, int], ...]:
 
 class CudaBackend(Backend):
     name = "cuda"
+    sorted_act_order = True
     description = "plugin CUDA kernel (csrc/): int4/int8, groups 32/64/128 or channel-wise, decode-oriented"
 
     def incompatibility_reason(self, problem: MoEProblem) -> str | None:
@@ -111,8 +120,13 @@ class CudaBackend(Backend):
             return f"needs an NVIDIA GPU (platform is {problem.platform})"
         if problem.sm is not None and problem.sm < 80:
             return f"built for sm80+ (device is sm{problem.sm})"
-        if problem.has_g_idx:
-            return "act order (desc_act with a non-trivial g_idx) is not supported"
+        if problem.has_g_idx and problem.act_order_issue:
+            return f"act order (desc_act with a non-trivial g_idx) cannot be sorted: {problem.act_order_issue}"
+        if problem.has_g_idx and problem.act_order_padded:
+            return (
+                "act order on a tensor-parallel rank: its share of each down-projection group is padded to runs "
+                "of 16 rows, and the CUDA kernel takes groups of 32, 64 or 128"
+            )
         if problem.activation not in CUDA_ACTIVATIONS:
             return f"activation {problem.activation!r} is not one of {list(CUDA_ACTIVATIONS)}"
         if problem.act_dtype not in (torch.bfloat16, torch.float16):
@@ -138,9 +152,12 @@ class CudaBackend(Backend):
         return extension_error()
 
     def prepare(self, problem: MoEProblem, tensors: KernelTensors) -> KernelTensors:
-        """The CUDA kernel's copy of the layer (cuda_layout) and, on a GPU, the stream kernel's workspace."""
+        """The CUDA kernel's copy of the layer (cuda_layout; act order sorted first, base.sort_act_order, unless
+        the runner did) and, on a GPU, the stream kernel's workspace."""
         from vllm_wna16_plugin.kernels.cuda_ops import stream_workspace
 
+        if tensors.a_perm is None and (tensors.w13_g_idx is not None or tensors.w2_g_idx is not None):
+            tensors = sort_act_order(tensors, problem.scheme.bits)
         if tensors.w13_qweight.is_cuda:
             stream_workspace(tensors.w13_qweight.device)  # allocated here, before any CUDA-graph capture
         return cuda_layout(tensors)
@@ -153,5 +170,5 @@ class CudaBackend(Backend):
         return fused_moe_wna16_cuda(
             x, *state.weights(), topk_weights, topk_ids, **layer_kwargs(problem, state, expert_map),
             global_num_experts=problem.global_num_experts, align_fn=_vllm.moe_align_block_size_fn(),
-            options=problem.options.kernel, launch=launch,
+            options=problem.options.kernel, launch=launch, a_perm=state.a_perm,
         )  # fmt: skip

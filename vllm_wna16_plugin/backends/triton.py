@@ -16,6 +16,7 @@ def _interpreter_on() -> bool:
 
 class TritonBackend(Backend):
     name = "triton"
+    sorted_act_order = True
     description = "plugin Triton kernel (int4/int8, any group size, TD path on sm90+/XPU)"
 
     def incompatibility_reason(self, problem: MoEProblem) -> str | None:

@@ -377,6 +377,19 @@ def invoke_moe_wna16_gemm(
     return c
 
 
+def act_order_rows(
+    a: torch.Tensor, a_perm: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None
+) -> torch.Tensor:
+    """(M*top_k, H): row p is token p // top_k's row of `a` with its columns in the K order of pair p's expert,
+    a[p // top_k, a_perm[e_p]] (a pair routed off this rank reads expert 0's order; the alignment skips it).
+    Plain torch indexing: no host sync, CUDA-graph capturable."""
+    m, top_k = topk_ids.shape
+    local = topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]
+    cols = a_perm[local.clamp(min=0).reshape(-1)].long()  # (pairs, H)
+    rows = torch.arange(m, device=a.device).repeat_interleave(top_k)
+    return a[rows[:, None], cols]
+
+
 def fused_moe_wna16_cuda(
     x: torch.Tensor,  # (M, H) bf16/fp16
     w13_qweight: torch.Tensor,  # (E, 2I, H*bits/8) uint8
@@ -396,6 +409,7 @@ def fused_moe_wna16_cuda(
     global_num_experts: int = -1,
     options: KernelOptions = DEFAULT_OPTIONS,
     launch: CudaLaunch | None = None,
+    a_perm: torch.Tensor | None = None,  # (E, H) int32: act order (backends.base.sort_act_order)
 ) -> torch.Tensor:
     """out[t] = sum_j w[t,j] * W2[e] @ act(W13[e] @ x[t]), e = topk_ids[t,j]; the reference's contract.
 
@@ -403,6 +417,10 @@ def fused_moe_wna16_cuda(
     ignore_invalid_experts=True), for batches the plugin's own alignment does not take (align_block_size).
     launch: what to launch (the layer's launch plan passes it); None: cuda_launch for this batch, this
     device and `options`.
+    a_perm: act order in the sorted layout (backends.base.sort_act_order: every scale group one contiguous
+    K run, GEMM2's K order already in the weights): K row k of expert e is x's column a_perm[e, k]. One
+    gather gives each routed pair its own row of x in its expert's K order (M*top_k rows of H), and GEMM1
+    reads A by pair, as GEMM2 always does.
     """
     from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton, moe_sum_triton
 
@@ -436,15 +454,20 @@ def fused_moe_wna16_cuda(
     weights = topk_weights.reshape(-1).float()
     if apply_router_weight_on_input:
         a = (a.float() * topk_weights.float().reshape(m, 1)).to(x.dtype)  # top_k == 1 (checked by the caller)
+    a_rows_per_token = top_k  # GEMM1 reads A row p // top_k for pair p
+    if a_perm is not None:
+        a, a_rows_per_token = act_order_rows(a, a_perm, topk_ids, expert_map), 1
     gemm = functools.partial(invoke_moe_wna16_gemm, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
                              num_tokens_post_padded=num_post_pad, bits=bits, programmatic=pdl)  # fmt: skip
     if launch.fuse_activation:
         act = torch.empty(m * top_k, inter, dtype=x.dtype, device=x.device)
-        gemm(a, w13_qweight, w13_scales, w13_qzeros, act, None, top_k=top_k, config=cfg1, activation=activation,
-             kernel=launch.kernel1)  # fmt: skip
+        gemm(a, w13_qweight, w13_scales, w13_qzeros, act, None, top_k=a_rows_per_token, config=cfg1,
+             activation=activation, kernel=launch.kernel1)  # fmt: skip
     else:
         h1 = torch.empty(m * top_k, two_i, dtype=x.dtype, device=x.device)
-        gemm(a, w13_qweight, w13_scales, w13_qzeros, h1, None, top_k=top_k, config=cfg1, kernel=launch.kernel1)
+        gemm(
+            a, w13_qweight, w13_scales, w13_qzeros, h1, None, top_k=a_rows_per_token, config=cfg1, kernel=launch.kernel1
+        )
         act = gated_activation_triton(h1, activation)
     # rows of pairs the alignment skips (experts of other ranks, with an expert_map) stay unwritten in
     # act and h2; their h2 rows must add 0 in the top-k sum, so h2 then starts as zeros
@@ -457,6 +480,7 @@ def fused_moe_wna16_cuda(
 
 __all__ = [
     "CudaLaunch",
+    "act_order_rows",
     "cuda_launch",
     "extension_error",
     "mma_kernel_fits",

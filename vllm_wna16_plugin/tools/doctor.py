@@ -262,15 +262,27 @@ def _act_order_padding(scheme: WNA16Scheme, dims: MoEDims, tp: int) -> tuple[int
                                     scale_bytes=2, has_zero_point=scheme.has_zero_point)  # fmt: skip
 
 
-def _problem(scheme, dims: MoEDims, i_loc: int, gs13: int, gs2: int, device: str, tp: int) -> MoEProblem:
-    platform, sm = DEVICES[device].platform, DEVICES[device].sm
-    if (padded := _act_order_padding(scheme, dims, tp)) is not None:
+PLAN_ONLY = RunOptions(plan_only=True)
+
+
+def _problem(
+    scheme, dims: MoEDims, i_loc: int, gs13: int, gs2: int, platform: str, sm: int | None, tp: int,
+    act_dtype: torch.dtype = torch.bfloat16, options: RunOptions = PLAN_ONLY,
+) -> MoEProblem:  # fmt: skip
+    """One rank's MoEProblem as the layer builds it; act order at TP > 1 with the padded down projection of
+    a random act order (_act_order_padding; the weights fix it at load)."""
+    padded = _act_order_padding(scheme, dims, tp)
+    if padded is not None:
         gs2, i_loc = padded
     return MoEProblem(scheme=scheme, hidden=dims.hidden, intermediate=i_loc, num_experts=dims.experts,
                       global_num_experts=dims.experts, top_k=dims.top_k, group_size_w13=gs13,
-                      group_size_w2=gs2, act_dtype=torch.bfloat16, platform=platform, sm=sm,
+                      group_size_w2=gs2, act_dtype=act_dtype, platform=platform, sm=sm,
                       has_g_idx=scheme.desc_act, act_order_issue=act_order_split_issue(scheme, tp),
-                      options=RunOptions(plan_only=True))  # fmt: skip
+                      act_order_padded=padded is not None, options=options)  # fmt: skip
+
+
+def _platform(device: str) -> tuple[str, int | None]:
+    return DEVICES[device].platform, DEVICES[device].sm
 
 
 def _check_args(tp, device) -> None:
@@ -363,7 +375,7 @@ def layer_problem(model_dir: str | Path, tp: int = 1, device: str = "sm90") -> M
     if g is None:
         raise ValueError(f"{model_dir}: every MoE layer loads unquantized; the plugin runs none of them")
     gs13, gs2 = _group_sizes(g.scheme, cp.dims, tp, cp.prefixes[g.layers[0]])
-    return _problem(g.scheme, cp.dims, cp.dims.intermediate // tp, gs13, gs2, device, tp)
+    return _problem(g.scheme, cp.dims, cp.dims.intermediate // tp, gs13, gs2, *_platform(device), tp)
 
 
 def moe_problems(
@@ -377,10 +389,8 @@ def moe_problems(
         if g.scheme is None:
             continue
         gs13, gs2 = _group_sizes(g.scheme, cp.dims, tp, cp.prefixes[g.layers[0]])
-        problem = MoEProblem(scheme=g.scheme, hidden=cp.dims.hidden, intermediate=cp.dims.intermediate // tp,
-                             num_experts=cp.dims.experts, global_num_experts=cp.dims.experts, top_k=cp.dims.top_k,
-                             group_size_w13=gs13, group_size_w2=gs2, act_dtype=act_dtype, platform=platform, sm=sm,
-                             has_g_idx=g.scheme.desc_act, act_order_issue=act_order_split_issue(g.scheme, tp))  # fmt: skip
+        problem = _problem(g.scheme, cp.dims, cp.dims.intermediate // tp, gs13, gs2, platform, sm, tp, act_dtype,
+                           RunOptions())  # fmt: skip
         out.append((g, problem))
     if not out:
         raise ValueError(f"{model_dir}: every MoE layer loads unquantized; the plugin runs none of them")
@@ -404,7 +414,7 @@ def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_con
                    f"({padded[1] / i_loc:.2f}x) for a random act order, fixed at load")  # fmt: skip
     if launch_configs:
         out += _launch_config_table(gemms, dims.top_k, dims.experts, scheme.bits)
-    problem = _problem(scheme, dims, i_loc, gs13, gs2, device, tp)
+    problem = _problem(scheme, dims, i_loc, gs13, gs2, *_platform(device), tp)
     verdicts = collect_verdicts(problem)
     chosen = next((v.backend for v in verdicts if v.ok), None)
     out += ["", f"backend on {device} (auto): {chosen}"]

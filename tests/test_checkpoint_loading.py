@@ -24,7 +24,8 @@ CASES = [
     pytest.param(dict(fmt="gptq", bits=4, group_size=32), id="gptq-int4-gs32"),
     pytest.param(dict(fmt="gptq", bits=4, group_size=64, sym=False, checkpoint_format="gptq_v2"), id="gptq-asym-v2"),
     pytest.param(dict(fmt="gptq", bits=8, group_size=32), id="gptq-int8"),
-    pytest.param(dict(fmt="gptq", bits=4, group_size=32, desc_act=True), id="gptq-desc-act"),  # reference only
+    pytest.param(dict(fmt="gptq", bits=4, group_size=32, desc_act=True), id="gptq-desc-act"),
+    pytest.param(dict(fmt="compressed-tensors", bits=4, group_size=32, desc_act=True), id="ct-actorder-group"),
     pytest.param(dict(fmt="awq", bits=4, group_size=32, sym=False), id="awq-gs32"),
     pytest.param(dict(fmt="compressed-tensors", bits=4, group_size=-1, group_size_null=True), id="ct-channel-null"),
     pytest.param(dict(fmt="compressed-tensors", bits=4, group_size=32, sym=False), id="ct-gs32-asym"),

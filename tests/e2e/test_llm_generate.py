@@ -45,6 +45,31 @@ CHECKPOINTS = {
     "ct-gs128-asym": dict(fmt="compressed-tensors", bits=4, group_size=128, sym=False, hidden=1024, intermediate=256),
     # K=1344 at gs32: vLLM picks BLOCK_SIZE_K=96 (ratio 3) and crashes; Marlin refuses H % 128 != 0
     "gptq-gs32-k1344": dict(fmt="gptq", bits=4, group_size=32, hidden=1344, intermediate=256),
+    # act order (random g_idx per expert, gate and up sharing one): triton and cuda run it sorted; the
+    # attention stays float (vLLM 0.30+ refuses act order in linear layers)
+    "gptq-desc-act": dict(
+        fmt="gptq", bits=4, group_size=32, desc_act=True, quantize_attention=False, hidden=1024, intermediate=256
+    ),
+    "ct-actorder-group": dict(
+        fmt="compressed-tensors",
+        bits=4,
+        group_size=64,
+        desc_act=True,
+        quantize_attention=False,
+        hidden=1024,
+        intermediate=256,
+    ),
+    "gptq-desc-act-asym-v2": dict(
+        fmt="gptq",
+        bits=4,
+        group_size=64,
+        sym=False,
+        desc_act=True,
+        checkpoint_format="gptq_v2",
+        quantize_attention=False,
+        hidden=1024,
+        intermediate=256,
+    ),
 }
 # (how the choice is passed, name): vLLM's --moe-backend names, then the plugin-only one
 BACKENDS = [("moe_backend", "auto"), ("moe_backend", "triton"), ("moe_backend", "marlin"),

@@ -36,6 +36,8 @@ CASES = (
     + [
         _case("gptq", 4, 32, True, desc_act=True),  # act order: random g_idx
         _case("gptq", 8, 32, False, desc_act=True),
+        _case("compressed-tensors", 4, 64, False, desc_act=True),  # actorder: group, weight_g_idx
+        _case("compressed-tensors", 8, 32, True, desc_act=True),
         _case("gptq", 4, 32, False, checkpoint_format="gptq_v2"),  # zero points not offset by 1
         _case("gptq", 4, 128, True, checkpoint_format="gptq_v2"),
         _case("compressed-tensors", 4, -1, False, group_size_null=True),  # "group_size": null
@@ -93,6 +95,8 @@ def _quantized_entries(spec, n: int, k: int) -> dict[str, tuple[torch.dtype, tup
     }
     if not spec.sym:
         out["weight_zero_point"] = (torch.int32, (n // pf, g))
+    if spec.desc_act:  # actorder: group
+        out["weight_g_idx"] = (torch.int32, (k,))
     return out
 
 
@@ -161,6 +165,8 @@ def _unpack(spec, t: dict[str, torch.Tensor], prefix: str) -> tuple[packing.Quan
             has_zp,
         )
     k = qw.q.shape[-1]
+    if f"{prefix}.weight_g_idx" in t:  # compressed-tensors actorder: group
+        return qw, t[f"{prefix}.weight_g_idx"].long()
     return qw, torch.arange(k) // qw.group_size
 
 
@@ -499,7 +505,17 @@ def test_same_seed_same_files_other_seed_other_weights(tmp_path):
         pytest.param(
             dict(fmt="gptq", checkpoint_format="v3"), r"checkpoint_format='v3' is not supported", id="ckpt-fmt-unknown"
         ),
-        pytest.param(dict(fmt="awq", desc_act=True), r"desc_act=True applies to fmt='gptq' only", id="desc_act"),
+        pytest.param(
+            dict(fmt="awq", desc_act=True),
+            r"desc_act=True applies to fmt='gptq' \(desc_act\) and "
+            r"fmt='compressed-tensors' \(actorder: group\) only",
+            id="desc_act",
+        ),  # fmt: skip
+        pytest.param(
+            dict(fmt="compressed-tensors", group_size=-1, desc_act=True),
+            r"actorder: group\) needs a group",
+            id="desc_act-channelwise",
+        ),  # fmt: skip
         pytest.param(
             dict(fmt="compressed-tensors", group_size=32, group_size_null=True),
             r"group_size_null=True .* group_size=32",

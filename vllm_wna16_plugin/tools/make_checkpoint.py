@@ -165,8 +165,13 @@ class CheckpointSpec:
             raise ValueError(f"{arg('checkpoint_format')} is not supported; supported: {list(GPTQ_CHECKPOINT_FORMATS)}")
         if self.fmt != "gptq" and self.checkpoint_format != "gptq":
             raise ValueError(f"{arg('checkpoint_format')} applies to {arg('fmt', 'gptq')} only")
-        if self.desc_act and self.fmt != "gptq":
-            raise ValueError(f"{arg('desc_act')} applies to {arg('fmt', 'gptq')} only, not {arg('fmt')}")
+        if self.desc_act and self.fmt not in ("gptq", "compressed-tensors"):
+            raise ValueError(
+                f"{arg('desc_act')} applies to {arg('fmt', 'gptq')} (desc_act) and {arg('fmt', 'compressed-tensors')} "
+                f"(actorder: group) only, not {arg('fmt')}"
+            )
+        if self.desc_act and self.group_size == -1 and self.fmt == "compressed-tensors":
+            raise ValueError(f"{arg('desc_act')} (actorder: group) needs a group size, not {arg('group_size')}")
         if self.group_size_null and (self.fmt != "compressed-tensors" or self.group_size != -1):
             raise ValueError(
                 f"{arg('group_size_null')} writes a channel-wise compressed-tensors config; it needs "
@@ -226,8 +231,9 @@ def make_checkpoint(
     fmt: "gptq" | "awq" | "compressed-tensors". group_size -1 is channel-wise (written as
     -1, or as null with group_size_null for compressed-tensors). intermediate is the
     expert (moe) intermediate size. sym=False stores zero points. checkpoint_format
-    "gptq" (v1: stored zero = zero - 1) or "gptq_v2", and desc_act (a random act-order
-    g_idx per module), apply to GPTQ only. quantize_attention=False leaves q/k/v/o_proj
+    "gptq" (v1: stored zero = zero - 1) or "gptq_v2" applies to GPTQ only; desc_act (a random
+    act-order g_idx per module, gate and up of an expert sharing one) to GPTQ (desc_act) and
+    compressed-tensors (actorder: group, weight_g_idx). quantize_attention=False leaves q/k/v/o_proj
     in bf16 and excludes them in the config. Weights are seeded by `seed`.
     """
     spec = CheckpointSpec(
@@ -421,16 +427,12 @@ def quantize_module(
     scale_dtype = SCALE_DTYPES[spec.fmt]
     k = w.shape[-1]
     gs = k if spec.group_size == -1 else spec.group_size
+    if spec.desc_act and spec.fmt == "compressed-tensors":
+        qw, g_idx, deq = _act_order_quantize(w, spec, gs, scale_dtype, gen, perm)
+        return compress_with_library(qw, deq, spec, g_idx), deq
     if spec.fmt == "gptq":
         if spec.desc_act:
-            # Act order: GPTQ quantizes columns in the order perm; column k lands in group
-            # position(k) // gs, and qweight stays in the original column order.
-            perm = torch.randperm(k, generator=gen) if perm is None else perm
-            inv = torch.argsort(perm)
-            qw_perm = _round_scales(quantize_rtn(w[:, perm], spec.bits, gs, not spec.sym), scale_dtype)
-            qw = QuantizedWeight(qw_perm.q[:, inv], qw_perm.scales, qw_perm.zeros, spec.bits, gs)
-            g_idx = (inv // gs).to(torch.int32)
-            deq = dequantize(qw_perm)[:, inv]
+            qw, g_idx, deq = _act_order_quantize(w, spec, gs, scale_dtype, gen, perm)
         else:
             qw = _round_scales(quantize_rtn(w, spec.bits, gs, not spec.sym), scale_dtype)
             g_idx = (torch.arange(k) // gs).to(torch.int32)
@@ -445,10 +447,23 @@ def quantize_module(
     return compress_with_library(qw, deq, spec), deq
 
 
+def _act_order_quantize(w, spec: CheckpointSpec, gs: int, scale_dtype, gen, perm):
+    """(QuantizedWeight in the original column order, g_idx (K,) int32, dequantized (N, K)) of act order:
+    the columns are quantized in the order perm (a random one by default), so column k lands in group
+    position(k) // gs (GPTQ's desc_act, compressed-tensors' actorder: group)."""
+    k = w.shape[-1]
+    perm = torch.randperm(k, generator=gen) if perm is None else perm
+    inv = torch.argsort(perm)
+    qw_perm = _round_scales(quantize_rtn(w[:, perm], spec.bits, gs, not spec.sym), scale_dtype)
+    qw = QuantizedWeight(qw_perm.q[:, inv], qw_perm.scales, qw_perm.zeros, spec.bits, gs)
+    return qw, (inv // gs).to(torch.int32), dequantize(qw_perm)[:, inv]
+
+
 def compress_with_library(
     qw: QuantizedWeight,
     deq: torch.Tensor,  # (N, K) float32: dequantize(qw), exact in float32
     spec: CheckpointSpec,
+    g_idx: torch.Tensor | None = None,  # (K,) act order (actorder: group): column k's scale group
 ) -> dict[str, torch.Tensor]:
     """compressed-tensors' own PackedQuantizationCompressor output for one linear.
 
@@ -459,6 +474,8 @@ def compress_with_library(
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 
     state = {"weight": deq, "weight_scale": qw.scales}
+    if g_idx is not None:
+        state["weight_g_idx"] = g_idx
     if qw.zeros is not None:
         state["weight_zero_point"] = (qw.zeros - (1 << (qw.bits - 1))).to(torch.int8)
     out = PackedQuantizationCompressor.compress(state, _ct_scheme(spec))
@@ -581,6 +598,7 @@ def _ct_scheme(spec: CheckpointSpec):
         strategy=strategy,
         group_size=group_size,
         dynamic=False,
+        actorder="group" if spec.desc_act else None,
     )
     return QuantizationScheme(targets=["Linear"], weights=weights, format="pack-quantized")
 
@@ -652,7 +670,8 @@ def add_make_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.Argume
     parser.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's, rounded up to 64")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-format", choices=tuple(GPTQ_CHECKPOINT_FORMATS), default="gptq")
-    parser.add_argument("--desc-act", action="store_true", help="GPTQ act order (random g_idx)")
+    parser.add_argument("--desc-act", action="store_true",
+                        help="act order (a random g_idx per module): GPTQ desc_act, compressed-tensors actorder group")  # fmt: skip
     parser.add_argument("--no-quantize-attention", dest="quantize_attention", action="store_false")
     parser.add_argument(
         "--group-size-null",

@@ -18,6 +18,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Each test plans as a new process would: tests write crossover and tuned tables into their own
+    directories, and the process-wide plan cache (launch_plan._plan) would otherwise answer from another's."""
+    from vllm_wna16_plugin import launch_plan
+
+    launch_plan._plan.cache_clear()
+    yield
+
+
 @pytest.fixture(scope="session")
 def vllm_cpu():
     """The VllmConfig of _vllm.cpu_layer_context (CPU, one gloo rank), for build_moe_layer."""

@@ -68,27 +68,30 @@ def cuda_m_ranges(key: str, device_name: str | None, crossover_dir: Path | None 
     return tuple(_load(crossover_file(device_name, crossover_dir)).get(key, {}).get("cuda_m_ranges", ()))
 
 
+def _user_table(device) -> tuple[dict[str, dict], Path | None]:
+    """The user's own tuned crossover table for the device ({} where there is none or it is damaged)."""
+    from vllm_wna16_plugin.user_tables import crossover_dir, read_safely
+
+    mine = crossover_dir(device)
+    if mine is None or not device.name:
+        return {}, None
+    path = crossover_file(device.name, mine)
+    return read_safely(lambda: _load(path), str(path)) or {}, path
+
+
 def device_ranges(key: str, device) -> tuple[tuple[tuple[int, int], ...], str]:
     """(ranges, where they came from) for a layer on a kernels.options.DeviceSpec: the user's own tuned
     crossover (user_tables.py: `vllm-wna16 tune` on this GPU, driver and plugin) when it has the layer,
     else the shipped table."""
-    from vllm_wna16_plugin.user_tables import crossover_dir
-
-    mine = crossover_dir(device)
-    if mine is not None and device.name:
-        entry = _load(crossover_file(device.name, mine)).get(key)
-        if entry is not None:
-            return tuple(entry["cuda_m_ranges"]), f"your tuned table {crossover_file(device.name, mine)}"
+    table, path = _user_table(device)
+    if key in table:
+        return tuple(table[key]["cuda_m_ranges"]), f"your tuned table {path}"
     return cuda_m_ranges(key, device.name), f"crossover/{crossover_file(device.name or '?').name}"
 
 
 def has_entry(key: str, device) -> bool:
     """Whether a table (the user's or the shipped one) measured this layer on the device, even with no win."""
-    from vllm_wna16_plugin.user_tables import crossover_dir
-
-    mine = crossover_dir(device)
-    tables = ([crossover_file(device.name, mine)] if mine is not None else []) + [crossover_file(device.name or "?")]
-    return bool(device.name) and any(key in _load(path) for path in tables)
+    return bool(device.name) and (key in _user_table(device)[0] or key in _load(crossover_file(device.name)))
 
 
 def cuda_max_m(key: str, device_name: str | None, crossover_dir: Path | None = None) -> int:
@@ -138,7 +141,9 @@ def write_crossovers(entries: dict[str, dict], device_name: str, crossover_dir: 
     path.parent.mkdir(parents=True, exist_ok=True)
     table = json.loads(path.read_text()) if path.is_file() else {}
     table.update(entries)
-    path.write_text(json.dumps(dict(sorted(table.items())), indent=2) + "\n")
+    from vllm_wna16_plugin.user_tables import write_atomically
+
+    write_atomically(path, json.dumps(dict(sorted(table.items())), indent=2) + "\n")
     _load.cache_clear()
     return path
 

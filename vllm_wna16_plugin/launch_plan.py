@@ -18,6 +18,7 @@ one plan per batch size seen; moe_method.apply and ops.fused_moe_wna16 run throu
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,10 +173,17 @@ def plan(
         raise ValueError(f"num_tokens={num_tokens!r} must be a positive int")
     if selection is None:
         selection = select_backend(problem)
-    problem = selection.problem
-    device = device or layer_device(problem)
-    layer_backend = selection.backend.name
     asked = selection.source if selection.requested == "auto" else f"{selection.source}={selection.requested}"
+    return _plan(
+        selection.problem, num_tokens, device or layer_device(selection.problem), selection.backend.name, asked
+    )
+
+
+@functools.lru_cache(maxsize=8192)
+def _plan(problem: MoEProblem, num_tokens: int, device: DeviceSpec, layer_backend: str, asked: str) -> LaunchPlan:
+    """plan()'s answer, one object per (layer shape, batch size, device, backend) in the process: the layers
+    of a model share their plans (a model has a few shapes; vLLM runs every batch size up to its token
+    budget)."""
     why = [f"layer backend {layer_backend!r} ({asked})"]
     runs = layer_backend
     if layer_backend == "cuda" and not problem.options.explicit:
@@ -192,7 +200,7 @@ def plan(
         return _triton_plan(problem, num_tokens, device, layer_backend, why)
     if runs == "cuda":
         return _cuda_plan(problem, num_tokens, device, layer_backend, why)
-    why.append(selection.backend.description)
+    why.append(registry()[layer_backend].description)
     return LaunchPlan(num_tokens, runs, layer_backend, device, why=tuple(why))
 
 
@@ -202,6 +210,9 @@ def plan_backends(selection: Selection) -> tuple[str, ...]:
     if name == "cuda" and not selection.problem.options.explicit:
         return ("cuda", "triton")
     return (name,)
+
+
+MAX_LAYER_PLANS = 1024  # a layer's index of plans by batch size (the plans themselves are shared: _plan)
 
 
 class LayerRunner:
@@ -231,6 +242,8 @@ class LayerRunner:
     def plan(self, num_tokens: int) -> LaunchPlan:
         found = self._plans.get(num_tokens)
         if found is None:
+            if len(self._plans) >= MAX_LAYER_PLANS:  # eager batches of every size: keep the index bounded
+                self._plans.clear()
             found = self._plans[num_tokens] = plan(self.problem, num_tokens, self.device, selection=self.selection)
         return found
 

@@ -18,12 +18,15 @@ import).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from vllm_wna16_plugin import __version__, _vllm
 from vllm_wna16_plugin.kernels.options import DeviceSpec
 
 logger = _vllm.init_logger(__name__)
+T = TypeVar("T")
 _announced: set[Path] = set()
 
 ENV_DIR = "VLLM_WNA16_PLUS_TUNED_DIR"
@@ -60,6 +63,29 @@ def tuned_dir(device: DeviceSpec, environ=None, *, must_exist: bool = True) -> P
     return path
 
 
+_refused: set[str] = set()
+
+
+def read_safely(load: Callable[[], T], what: str) -> T | None:
+    """load() of a user table, or None (logged once) when the file is damaged or stale: an interrupted tune,
+    an entry this plugin no longer takes. The shipped tables are read without this: a bad one is a bug."""
+    try:
+        return load()
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        if what not in _refused:
+            _refused.add(what)
+            logger.warning("moe_wna16_plus: ignoring the tuned table %s (%s); the shipped tables are used. "
+                           "Run vllm-wna16 tune again, or delete the file", what, exc)  # fmt: skip
+        return None
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` in one rename: a reader never sees half a table."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def crossover_dir(device: DeviceSpec, environ=None) -> Path | None:
     path = tuned_dir(device, environ)
     return None if path is None else path / "crossover"
@@ -70,4 +96,13 @@ def configs_dir(device: DeviceSpec, environ=None) -> Path | None:
     return None if path is None else path / "configs"
 
 
-__all__ = ["ENV_DIR", "ENV_USE", "configs_dir", "crossover_dir", "tuned_dir", "tuned_root"]
+__all__ = [
+    "ENV_DIR",
+    "ENV_USE",
+    "configs_dir",
+    "crossover_dir",
+    "read_safely",
+    "tuned_dir",
+    "tuned_root",
+    "write_atomically",
+]

@@ -464,6 +464,7 @@ def test_act_order_layer_reads_x_in_each_experts_k_order(zp, gs, emap, monkeypat
 
     monkeypatch.setattr(cuda_ops, "extension_error", lambda: None)
     monkeypatch.setattr(cuda_ops, "invoke_moe_wna16_gemm", _emulated_gemm)
+    monkeypatch.setattr(cuda_ops, "ACT_ORDER_GATHER_PAIRS", 3)  # the 10 routed pairs gathered in 4 steps
     monkeypatch.setattr(cuda_ops, "align_block_size",
                         lambda ids, bm, n, emap, *a, **k: moe_align_block_size_torch(ids, bm, n, emap))  # fmt: skip
     s = cuda_layout(sort_act_order(t, 4))

@@ -62,8 +62,8 @@ def test_make_checkpoint_into_a_read_only_directory(tmp_path, capsys):
                      "--intermediate, or --group-size -1 (channel-wise)", id="group-size"),
         pytest.param(["--format", "gptq", "--top-k", "9"],
                      "need --experts >= 1 and 1 <= --top-k <= --experts, got --experts 8, --top-k 9", id="top-k"),
-        pytest.param(["--format", "awq", "--desc-act"], "--desc-act applies to --format gptq only, not --format awq",
-                     id="desc-act"),
+        pytest.param(["--format", "awq", "--desc-act"], "--desc-act applies to --format gptq (desc_act) and --format "
+                     "compressed-tensors (actorder: group) only, not --format awq", id="desc-act"),
         pytest.param(["--format", "compressed-tensors", "--group-size-null"],
                      "--group-size-null writes a channel-wise compressed-tensors config; it needs --format "
                      "compressed-tensors and --group-size -1, got --format compressed-tensors, --group-size 128",

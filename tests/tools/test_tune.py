@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from vllm_wna16_plugin import crossover, user_tables
+from vllm_wna16_plugin import crossover, launch_plan, user_tables
 from vllm_wna16_plugin.backends import MoEProblem, RunOptions
 from vllm_wna16_plugin.kernels.options import DeviceSpec
 from vllm_wna16_plugin.launch_plan import plan
@@ -79,6 +79,7 @@ def test_tune_writes_the_winners_and_the_plan_prefers_them(tmp_path, monkeypatch
     other = triton_plan(problem, 1, dataclasses.replace(GPU_X, driver="1.0"))
     assert all(g.source.startswith("default_config") for g in other.gemms)
     monkeypatch.setenv(user_tables.ENV_USE, "0")
+    launch_plan._plan.cache_clear()  # a process makes each (shape, M, device) plan once: a new process here
     assert triton_plan(problem, 1, GPU_X).launch.configs == other.launch.configs
 
 
@@ -125,3 +126,28 @@ def test_cli_tune_needs_a_gpu_and_says_so(tmp_path, capsys):
     assert "tune times kernels on this machine's NVIDIA GPU, and torch sees none" in capsys.readouterr().err
     assert main(["tune", str(ckpt), "--m", "1,x"]) == 2
     assert "--m='1,x' is not a comma-separated list" in capsys.readouterr().err
+
+
+def test_a_damaged_user_table_is_ignored_and_the_shipped_ones_serve(tmp_path, monkeypatch):
+    # an interrupted tune (half a file) or an entry a newer plugin refuses must not stop a model from loading
+    from vllm_wna16_plugin.kernels.triton import configs
+
+    monkeypatch.setenv(user_tables.ENV_DIR, str(tmp_path))
+    root = user_tables.tuned_dir(GPU_X, must_exist=False)
+    (root / "crossover").mkdir(parents=True)
+    (root / "configs").mkdir()
+    (root / "crossover" / "GPU_X.json").write_text('{"E=4,H=128,I=64,group_size=32,bits=4": {"cuda_m_ran')
+    bad = configs.config_file_name(4, 128, 128, 32, 4, "GPU X")
+    (root / "configs" / bad).write_text(json.dumps({"1": {"BLOCK_SIZE_M": 1, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 48}}))
+    key = crossover.layer_key(4, 128, 64, 32, 4)
+    assert crossover.device_ranges(key, GPU_X) == ((), "crossover/GPU_X.json")  # the shipped (none for GPU X)
+    problem = small_problem()
+    p = triton_plan(problem, 1, GPU_X)
+    assert all(g.source.startswith("default_config") for g in p.gemms)
+
+
+def test_tables_are_written_in_one_rename(tmp_path):
+    path = tmp_path / "t.json"
+    user_tables.write_atomically(path, "{}\n")
+    user_tables.write_atomically(path, '{"a": 1}\n')
+    assert json.loads(path.read_text()) == {"a": 1} and [p.name for p in tmp_path.iterdir()] == ["t.json"]

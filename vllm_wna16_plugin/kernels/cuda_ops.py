@@ -377,17 +377,29 @@ def invoke_moe_wna16_gemm(
     return c
 
 
+# Routed pairs gathered per step by act_order_rows: its int64 index is this many rows of H (58 MB at H=7168),
+# whatever the batch; the gathered rows themselves are the (M*top_k, H) activations GEMM1 reads.
+ACT_ORDER_GATHER_PAIRS = 1024
+
+
 def act_order_rows(
     a: torch.Tensor, a_perm: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None
 ) -> torch.Tensor:
     """(M*top_k, H): row p is token p // top_k's row of `a` with its columns in the K order of pair p's expert,
     a[p // top_k, a_perm[e_p]] (a pair routed off this rank reads expert 0's order; the alignment skips it).
-    Plain torch indexing: no host sync, CUDA-graph capturable."""
+    Gathered ACT_ORDER_GATHER_PAIRS pairs at a time (a bounded index); plain torch ops, no host sync,
+    CUDA-graph capturable."""
     m, top_k = topk_ids.shape
-    local = topk_ids.long() if expert_map is None else expert_map.long()[topk_ids.long()]
-    cols = a_perm[local.clamp(min=0).reshape(-1)].long()  # (pairs, H)
-    rows = torch.arange(m, device=a.device).repeat_interleave(top_k)
-    return a[rows[:, None], cols]
+    local = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        local = expert_map.long()[local]
+    local = local.clamp(min=0)
+    tokens = torch.arange(m * top_k, device=a.device) // top_k
+    out = torch.empty(m * top_k, a.shape[1], dtype=a.dtype, device=a.device)
+    for lo in range(0, m * top_k, ACT_ORDER_GATHER_PAIRS):
+        hi = min(lo + ACT_ORDER_GATHER_PAIRS, m * top_k)
+        torch.gather(a.index_select(0, tokens[lo:hi]), 1, a_perm.index_select(0, local[lo:hi]).long(), out=out[lo:hi])
+    return out
 
 
 def fused_moe_wna16_cuda(

@@ -46,7 +46,7 @@ from vllm_wna16_plugin.kernels.triton.configs import (
     triton_launch,
 )
 from vllm_wna16_plugin.kernels.triton.configs import _load as _load_configs
-from vllm_wna16_plugin.user_tables import ENV_DIR, tuned_dir
+from vllm_wna16_plugin.user_tables import ENV_DIR, tuned_dir, write_atomically
 
 logger = _vllm.init_logger(__name__)
 
@@ -148,7 +148,7 @@ class LayerBench:
         return [
             lambda t=t: fused_moe_wna16_triton(
                 x, *t.weights(), w, ids, bits=self.bits, w13_qzeros=t.w13_qzeros, w2_qzeros=t.w2_qzeros,
-                activation=p.activation, configs=configs, align_fn=align, use_td=False,
+                activation=p.activation, configs=configs, align_fn=align, use_td=None,  # TD as serving decides
             )
             for t in self.copies
         ]  # fmt: skip
@@ -170,6 +170,18 @@ class LayerBench:
         ref = self.inputs(m)[3]
         out = call().float()
         return float((out - ref).norm() / ref.norm())
+
+
+def _stop_on_a_device_error(device: torch.device, what) -> None:
+    """A candidate that faulted the GPU leaves the context unusable: every later time would be a failure and
+    the tables half a run. Stop the run (nothing is written) instead of carrying on."""
+    if device.type != "cuda":
+        return
+    try:
+        torch.cuda.synchronize(device)
+    except RuntimeError as exc:
+        raise RuntimeError(f"tune: {what} left a CUDA error ({exc}); stopping without writing tables. Run tune "
+                           "again with --m excluding this batch size, and report the config") from exc  # fmt: skip
 
 
 @dataclass
@@ -209,6 +221,7 @@ def tune_slot(
             timed[key] = timer(calls)
         except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch is dropped
             result.rejected.append(f"{pair}: {type(exc).__name__}: {str(exc)[:100]}")
+            _stop_on_a_device_error(bench.device, pair)
 
     def search(which: int, fixed: TritonMoEConfig, timed: dict) -> TritonMoEConfig:
         n, k, gs = ((2 * p.intermediate, p.hidden, p.group_size_w13) if which == 1
@@ -260,12 +273,12 @@ def write_tables(problem: MoEProblem, results: Sequence[SlotResult], device: Dev
         path = configs_dir / config_file_name(p.num_experts, n, k, gs, bits, device.name)
         kept = json.loads(path.read_text()) if path.is_file() else {}
         merged = {**kept, **entries}
-        path.write_text(json.dumps({m: merged[m] for m in sorted(merged, key=int)}, indent=1) + "\n")
+        write_atomically(path, json.dumps({m: merged[m] for m in sorted(merged, key=int)}, indent=1) + "\n")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     runs = root / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     run_path = runs / f"{stamp}-{layer_key(p).replace(',', '_').replace('=', '')}.json"
-    run_path.write_text(json.dumps(record, indent=1) + "\n")
+    write_atomically(run_path, json.dumps(record, indent=1) + "\n")
     both = {r.m: (r.cuda_us, r.best_us) for r in results if r.cuda_us is not None and r.best_us is not None}
     if both:
         ranges = crossover.measured_ranges(both)
@@ -273,6 +286,9 @@ def write_tables(problem: MoEProblem, results: Sequence[SlotResult], device: Dev
                                    device.name, root / "crossover")  # fmt: skip
     _load_configs.cache_clear()  # this process plans with the new tables from now on
     choose_triton_moe_config.cache_clear()
+    from vllm_wna16_plugin import launch_plan
+
+    launch_plan._plan.cache_clear()
     return root
 
 

@@ -263,6 +263,13 @@ def nearest_tuned_m(table: dict[int, TritonMoEConfig], M: int) -> int | None:
     return min(table, key=lambda m: abs(m - M))
 
 
+def _checked(table: dict[int, TritonMoEConfig] | None, K: int, group_size: int) -> dict[int, TritonMoEConfig] | None:
+    """The table, after every entry passed check_shape for this K (ValueError naming the first that does not)."""
+    for entry in (table or {}).values():
+        entry.check_shape(K, group_size)
+    return table
+
+
 @dataclass(frozen=True)
 class ConfigChoice:
     """A GEMM's config and where it came from: "tuned <file> at M=<key>" or "default_config (heuristic)"."""
@@ -294,7 +301,12 @@ def choose_triton_moe_config(
     gs = K if group_size == -1 else group_size
     table = None
     if device_name and user_dir is not None:
-        mine = load_tuned_configs(E, N, K, gs, bits, device_name, user_dir)
+        from vllm_wna16_plugin.user_tables import read_safely
+
+        path = user_dir / config_file_name(E, N, K, gs, bits, device_name)
+        mine = read_safely(
+            lambda: _checked(load_tuned_configs(E, N, K, gs, bits, device_name, user_dir), K, gs), str(path)
+        )
         m_key = nearest_tuned_m(mine, M) if mine else None
         if m_key is not None:
             choice = ConfigChoice(

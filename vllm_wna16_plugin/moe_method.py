@@ -211,7 +211,9 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             if has_g_idx:
                 t = self.tensors
                 issue = act_order_issue(t.w13_g_idx, t.w2_g_idx, t.w13_scales, t.w2_scales)
-                padded = act_order_padded(t.w2_g_idx, t.w2_scales)
+                # on a tensor-parallel rank the sorted groups are its shares of the groups (too few rows for the
+                # CUDA kernel), padded or, by chance, whole: triton runs them either way
+                padded = act_order_padded(t.w2_g_idx, t.w2_scales) or self.shapes.tp_size > 1
             p = self.problem
             if (has_g_idx, issue, padded) != (p.has_g_idx, p.act_order_issue, p.act_order_padded):
                 self.problem = self._make_problem(layer, has_g_idx=has_g_idx, act_order_issue=issue,

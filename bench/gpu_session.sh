@@ -7,6 +7,7 @@
 #   E2E_ARGS="-k 'gptq-gs32-k2048 or serve'" bash bench/gpu_session.sh e2e
 #   E2E_JOBS=8 bash bench/gpu_session.sh e2e               # 8 LLM(...) runs share the GPU at a time
 #   E2E_JOBS=12 bash bench/gpu_session.sh e2e-par          # the whole tier, two pytest processes side by side
+#   E2E_GEN_ARGS="-k 'desc-act'" E2E_REST_PATHS=tests/e2e/test_serve.py bash bench/gpu_session.sh e2e-par  # a subset
 #   bash bench/gpu_session.sh probe inspect               # CUDA op refusals; vLLM's inspection subprocess
 #   VB=.vb34 bash bench/gpu_session.sh tests-par e2e-par   # on vLLM 0.34 (carry .vb34/part-1, .vb34/install.sh)
 #   bash bench/gpu_session.sh e2e-bench                   # bench/e2e.py (offline throughput)
@@ -33,6 +34,23 @@ fi
 # (bench/vllm_bundle/ bundles, e.g. 0.34.0's, come with this guard already turned off.)
 fa=$(python3 -c "import importlib.util as u; print(u.find_spec('vllm').submodule_search_locations[0])")/vllm_flash_attn/__init__.py
 sed -i 's/^if not (FA2_AVAILABLE or FA3_AVAILABLE):/if False:  # gpu_session.sh: bundle without flash-attn kernels/' "$fa"
+# vLLM 0.34's kernel warmup imports MiniMax-M3's MSA kernels on every CUDA run, and with them the CUTLASS
+# DSL (nvidia-cutlass-dsl, 486 MB: not in the bundle, not on the machine). Those kernels only serve MiniMax-M3:
+# without the DSL the warmup is skipped (2026-12-05: every LLM(...) run failed with "No module named 'cutlass'").
+kw=$(dirname "$(dirname "$fa")")/model_executor/warmup/kernel_warmup.py
+if [ -f "$kw" ] && ! python3 -c "import cutlass" 2>/dev/null; then
+  python3 - "$kw" <<'PY'
+import sys
+p = sys.argv[1]
+s = open(p).read()
+old = "        # The MSA kernels, and the CuTe DSL their modules import, are CUDA-only.\n"
+if old in s and "gpu_session.sh" not in s:
+    i = s.index(old)
+    head = s.rfind("    if current_platform.is_cuda():\n", 0, i)
+    s = s[:head] + "    if False:  # gpu_session.sh: no CUTLASS DSL on the machine (MiniMax-M3 MSA warmup only)\n" + s[head + len("    if current_platform.is_cuda():\n"):]
+    open(p, "w").write(s)
+PY
+fi
 # builds csrc/ for sm90 on the machine's 16 cores (the `cuda` backend); the log says if it could not.
 # A call chained within 30 s finds the machine warm: the editable install and the ignored _C*.so are still
 # there, so the build is skipped when csrc/ and setup.py are unchanged (the stamp lives in /tmp).
@@ -75,11 +93,12 @@ for step in "$@"; do
     # vLLM inspects lazily registered models in `python -m vllm.model_executor.models.registry`: its stderr
     inspect) timeout 120 python3 -c "import vllm.model_executor.models.registry as r; print('inspection subprocess:', r._run_in_subprocess(lambda: 'ok'))" 2>&1 | grep -v "^INFO\|^WARNING" | tail -30 ;;
     tests) eval "timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -rs ${TESTS_ARGS:-}" 2>&1 | grep --line-buffered -v "^INFO\|^WARNING" | tee "$OUT/gpu_tests.log" | tail -25 || rc=1 ;;
-    # the GPU kernel tests in three pytest processes side by side (the Triton compiles spread over the
-    # 16 cores): the CUDA ops, and the backend tests split into their Triton and other halves
+    # the GPU kernel tests in four pytest processes side by side (the Triton compiles spread over the
+    # 16 cores): the CUDA ops, the backend tests split into their Triton and other halves, and the
+    # asymmetric GPTQ linear layers (vLLM's Marlin / exllama kernels)
     tests-par) pids=()
                shards=("cuda_ops|tests/kernels/test_cuda_ops_gpu.py|" "backends_triton|tests/kernels/test_backends_gpu.py|-k triton"
-                       "backends_other|tests/kernels/test_backends_gpu.py|-k 'not triton'")
+                       "backends_other|tests/kernels/test_backends_gpu.py|-k 'not triton'" "linear|tests/test_gptq_linear.py|")
                for shard in "${shards[@]}"; do
                  IFS='|' read -r n f sel <<<"$shard"
                  ( eval "timeout ${TESTS_TIMEOUT:-540} python3 -m pytest -q -m gpu $f $sel -p no:cacheprovider -rs ${TESTS_ARGS:-}" 2>&1 \
@@ -91,10 +110,11 @@ for step in "$@"; do
     # modules (serve, bad input, TP), two pytest processes, each with its own log and record
     e2e-par) pids=()
              for part in gen rest; do
-               if [ $part = gen ]; then paths=tests/e2e/test_llm_generate.py; jobs=${E2E_JOBS:-12}
-               else paths="tests/e2e/test_bad_input.py tests/e2e/test_serve.py tests/e2e/test_tensor_parallel.py"; jobs=1; fi
+               if [ $part = gen ]; then paths=tests/e2e/test_llm_generate.py; jobs=${E2E_JOBS:-12}; sel=${E2E_GEN_ARGS:-${E2E_ARGS:-}}
+               else paths=${E2E_REST_PATHS:-"tests/e2e/test_bad_input.py tests/e2e/test_serve.py tests/e2e/test_tensor_parallel.py tests/e2e/test_gptq_asym_linear.py"}
+                    jobs=1; sel=${E2E_ARGS:-}; fi
                ( export E2E_RECORD="$OUT/e2e-record-$part.jsonl" E2E_JOBS=$jobs
-                 eval "timeout ${E2E_TIMEOUT:-540} python3 -m pytest -q -m gpu $paths -p no:cacheprovider -rsx ${E2E_ARGS:-}" 2>&1 \
+                 eval "timeout ${E2E_TIMEOUT:-540} python3 -m pytest -q -m gpu $paths -p no:cacheprovider -rsx $sel" 2>&1 \
                    | grep -v "^WARNING" >"$OUT/e2e-$part.log"; exit "${PIPESTATUS[0]}" ) & pids+=($!)
              done
              for pid in "${pids[@]}"; do wait "$pid" || rc=1; done

@@ -176,6 +176,33 @@ class Weights:
     scales2: torch.Tensor
     dense13: torch.Tensor | None = None
     dense2: torch.Tensor | None = None
+    g13: torch.Tensor | None = None  # (E, 2, H) int32: act order (ACT_ORDER providers), gate = up
+    g2: torch.Tensor | None = None  # (E, I) int32
+
+
+# Providers "<plugin provider>-ao" time the same layer as a GPTQ act-order checkpoint holds it: each expert's
+# K rows of both GEMMs in a random order, g_idx naming each row's group (make_act_order), sorted at load as
+# the plugin sorts a real one; their twin without "-ao" is the cost's baseline. Every group stays whole (a
+# TP=1 checkpoint: no padding rows); channel-wise shapes have no act order.
+ACT_ORDER_SUFFIX = "-ao"
+
+
+def make_act_order(kw13, kw2, d13, d2, s: Shape, bits: int, gen: torch.Generator):
+    """(Weights with act order, the dequantized weights as that checkpoint means them).
+
+    A row k of the act-order checkpoint is row P[e, k] of the base weights: q_ao[:, k] = q[:, P[k]] and
+    g_idx[k] = P[k] // group, so dequantize(q_ao)[:, k] = W[:, P[k]] and the reference multiplies x by
+    W[:, P] (a gather of the base dequantized weights along K)."""
+    e = s.E
+    dev = kw13.qweight.device
+    p1 = torch.stack([torch.randperm(s.H, generator=gen, device=dev) for _ in range(e)])
+    p2 = torch.stack([torch.randperm(s.I, generator=gen, device=dev) for _ in range(e)])
+    g13 = (p1 // s.group_w13).to(torch.int32)[:, None, :].expand(e, 2, s.H).contiguous()
+    w = Weights(packing.permute_k(kw13.qweight, p1, bits), packing.permute_k(kw2.qweight, p2, bits),
+                kw13.scales, kw2.scales, g13=g13, g2=(p2 // s.group_w2).to(torch.int32).contiguous())  # fmt: skip
+    d13_ao = torch.gather(d13, -1, p1[:, None, :].expand(-1, d13.shape[1], -1))
+    d2_ao = torch.gather(d2, -1, p2[:, None, :].expand(-1, d2.shape[1], -1))
+    return w, d13_ao, d2_ao
 
 
 class NotApplicable(Exception):
@@ -199,18 +226,20 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4
     """The LayerRunner of a plugin provider or of a DELEGATED peer (gs: the scheme's group size; bits, gs_w2:
     Shape.bits and Shape.gs_w2, see layer_problem): its selection, prepared states and launch plans, with the
     kernel options the provider names (provider_options). Its `run(x, topk_weights, topk_ids)` is timed."""
+    act_order = prov.endswith(ACT_ORDER_SUFFIX)
+    prov = prov.removesuffix(ACT_ORDER_SUFFIX)
     name = DELEGATED.get(prov) or prov.removeprefix("plugin-")
     if name.startswith("cuda-"):  # a kernel or launch geometry of CUDA_FORMS
         name = "cuda"
     if name.startswith("triton"):  # plugin-triton-*: a form of TRITON_FORMS, or TD as named / as decided
         name = "triton"
     problem = layer_problem(x, w, topk_ids, gs, bits=bits, gs_w2=gs_w2)
-    problem = dataclasses.replace(problem, options=RunOptions(kernel=provider_options(prov)))
+    problem = dataclasses.replace(problem, options=RunOptions(kernel=provider_options(prov)), has_g_idx=act_order)
     try:  # each provider but auto is asked for by name; auto is the oracle's pick with the shipped crossover
         selection = select_backend(problem, name, "provider")
     except ValueError as exc:
         raise NotApplicable(f"{name} rejects: {exc}") from None
-    return LayerRunner(selection, KernelTensors(w.q13, w.q2, w.scales13, w.scales2))
+    return LayerRunner(selection, KernelTensors(w.q13, w.q2, w.scales13, w.scales2, w13_g_idx=w.g13, w2_g_idx=w.g2))
 
 
 # Providers that time a Triton kernel form other than the default (KernelOptions.pair_step_math, dot_nibbles):
@@ -253,6 +282,7 @@ ALT_CONFIG_DIR: Path | None = None
 
 def provider_options(prov: str) -> KernelOptions:
     """The kernel options a provider names (TRITON_FORMS, CUDA_FORMS; the defaults for the others)."""
+    prov = prov.removesuffix(ACT_ORDER_SUFFIX)
     form = {**TRITON_FORMS.get(prov, {}), **CUDA_FORMS.get(prov, {})}
     if prov == "plugin-triton-alt":
         if ALT_CONFIG_DIR is None:
@@ -457,8 +487,14 @@ def main(argv=None) -> int:
     print(header, flush=True)
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
+    partial = Path(args.out) / f"{datetime.date.today()}-{git_commit()}{args.tag}.partial.csv"
     for s in shapes:
-        q13, q2 = make_weights(s, s.bits, gen)
+        try:
+            q13, q2 = make_weights(s, s.bits, gen)
+        except torch.cuda.OutOfMemoryError:  # a shape too large for the device: said, and the run goes on
+            print(f"{s.name}: skipped, its weights do not fit the device's memory", flush=True)
+            torch.cuda.empty_cache()
+            continue
         kw13, kw2 = packing.to_kernel_layout(q13, torch.bfloat16), packing.to_kernel_layout(q2, torch.bfloat16)
         # The reference sees the bf16-rounded scales the kernels see.
         q13.scales, q2.scales = kw13.scales.float(), kw2.scales.float()
@@ -467,12 +503,21 @@ def main(argv=None) -> int:
         per_copy_int4 = s.E * weight_bytes_per_expert(s, s.bits, False)
         per_copy_bf16 = s.E * weight_bytes_per_expert(s, s.bits, True)
         copies = {}
+        act_order = None  # (Weights, d13, d2) of the act-order twin, made when an -ao provider first runs
+
+        def get_act_order():
+            nonlocal act_order
+            if act_order is None:
+                act_order = make_act_order(kw13, kw2, d13, d2, s, s.bits, gen)
+            return act_order
 
         def get_copies(kind: str, n: int):
             key = (kind, n)
             if key not in copies:
                 if kind == "int4":
                     base = Weights(kw13.qweight, kw2.qweight, kw13.scales, kw2.scales)
+                elif kind == "ao":
+                    base = get_act_order()[0]
                 else:
                     base = Weights(None, None, None, None, d13.to(torch.bfloat16), d2.to(torch.bfloat16))
                 out = [base]
@@ -488,13 +533,20 @@ def main(argv=None) -> int:
             tic = tic.to(torch.int32)
             hit = len(torch.unique(tic))
             ref = fused_moe_ref(xc, d13, d2, twc, tic).float()
+            ref_ao = None
             results = {}
             for prov in providers:
                 dense = prov == "bf16-dense"
+                ao = prov.endswith(ACT_ORDER_SUFFIX)
+                if ao and s.gs == -1:
+                    results[prov] = ("n/a", "channel-wise: no act order")
+                    continue
+                if ao and ref_ao is None:
+                    ref_ao = fused_moe_ref(xc, *get_act_order()[1:], twc, tic).float()
                 touched = hit * weight_bytes_per_expert(s, s.bits, dense)
                 per_copy = per_copy_bf16 if dense else per_copy_int4
                 n_copies = max(1, min(8, math.ceil(150e6 / touched), int(20e9 // per_copy)))
-                ws = get_copies("bf16" if dense else "int4", n_copies)
+                ws = get_copies("bf16" if dense else "ao" if ao else "int4", n_copies)
 
                 prepared = {}
 
@@ -515,7 +567,8 @@ def main(argv=None) -> int:
                         if prov == "vllm-cuda" and s.bits != 4:
                             raise NotApplicable("vLLM's CUDA WNA16 MoE kernel is int4 only")
                     out = call(ws[0]).float()
-                    err = ((out - ref).norm() / ref.norm()).item()
+                    want = ref_ao if ao else ref
+                    err = ((out - want).norm() / want.norm()).item()
                     if not (err < 2e-2):
                         results[prov] = ("WRONG", f"rel err {err:.3g}")
                         continue
@@ -534,21 +587,17 @@ def main(argv=None) -> int:
             )
             print(f"{s.name} M={m}: {line}", flush=True)
         copies.clear()
+        act_order = None
         torch.cuda.empty_cache()
+        write_run_csv(rows, partial)
 
     table = render(rows, providers)
     stamp = f"{datetime.date.today()}-{git_commit()}{args.tag}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stamp}.md").write_text(header + "\n" + table)
-    with open(out / f"{stamp}.csv", "w", newline="") as f:
-        wr = csv.writer(f)
-        wr.writerow(["shape", "M", "provider", "median_us", "p20_us", "p80_us", "frac_copy_bw", "note"])
-        for shape, m, prov, r in rows:
-            if isinstance(r[0], float):
-                wr.writerow([shape, m, prov, f"{r[0]:.2f}", f"{r[1]:.2f}", f"{r[2]:.2f}", f"{r[3]:.4f}", ""])
-            else:
-                wr.writerow([shape, m, prov, "", "", "", "", f"{r[0]}: {r[1]}"])
+    write_run_csv(rows, out / f"{stamp}.csv")
+    partial.unlink(missing_ok=True)
     plot(rows, providers, out / f"{stamp}.png")
     if args.results_csv != "none":
         path = append_to_device_csv(
@@ -571,6 +620,19 @@ def main(argv=None) -> int:
         column = "plugin-triton-auto" if "plugin-triton-auto" in providers else "plugin-triton"
         print(record_crossovers(rows, shapes, dev, Path(args.write_crossover), out / f"{stamp}.md", column))
     return 0
+
+
+def write_run_csv(rows, path: Path) -> None:
+    """The run's own CSV (also rewritten after every shape, so a run cut short keeps what it timed)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        wr = csv.writer(f)
+        wr.writerow(["shape", "M", "provider", "median_us", "p20_us", "p80_us", "frac_copy_bw", "note"])
+        for shape, m, prov, r in rows:
+            if isinstance(r[0], float):
+                wr.writerow([shape, m, prov, f"{r[0]:.2f}", f"{r[1]:.2f}", f"{r[2]:.2f}", f"{r[3]:.4f}", ""])
+            else:
+                wr.writerow([shape, m, prov, "", "", "", "", f"{r[0]}: {r[1]}"])
 
 
 def append_to_device_csv(rows, path, out, *, date, device, versions, run, copy_bw, reps, timing, source) -> Path:

@@ -393,3 +393,32 @@ def test_every_catalog_model_gives_the_tuner_a_problem(bench, tmp_path):
         _, cfg = model_catalog.CATALOG[name]
         assert problem.top_k == cfg.get("text_config", cfg).get("num_experts_per_tok", cfg.get("moe_k")), name
         assert group.scheme.group_size == 32 and problem.group_size_w13 == 32
+
+
+@pytest.mark.parametrize("prov", ["plugin-reference-ao", "plugin-triton-auto-ao"])
+def test_act_order_providers_run_the_checkpoint_the_reference_means(bench, shapes, prov):
+    """make_act_order's twin: K rows of both GEMMs shuffled per expert with g_idx naming their groups; the
+    plugin (sorting it at load as it sorts a real checkpoint) must give x @ W[:, P], the reference's, on
+    fresh random data (and the base weights' result must differ, so a lost permutation would show)."""
+    import torch
+
+    from vllm_wna16_plugin import packing
+    from vllm_wna16_plugin.reference import fused_moe_ref
+
+    s = shapes.Shape("ao", 4, 2, 128, 64, 32)
+    gen = torch.Generator().manual_seed(7)
+    q13 = packing.quantize_rtn(torch.randn(s.E, 2 * s.I, s.H, generator=gen), 4, s.group_w13, False)
+    q2 = packing.quantize_rtn(torch.randn(s.E, s.H, s.I, generator=gen), 4, s.group_w2, False)
+    k13, k2 = packing.to_kernel_layout(q13, torch.bfloat16), packing.to_kernel_layout(q2, torch.bfloat16)
+    q13.scales, q2.scales = k13.scales.float(), k2.scales.float()
+    d13, d2 = packing.dequantize(q13), packing.dequantize(q2)
+    w, d13_ao, d2_ao = bench.make_act_order(k13, k2, d13, d2, s, 4, gen)
+    assert w.g13.shape == (s.E, 2, s.H) and w.g2.shape == (s.E, s.I)
+    x = torch.randn(5, s.H, generator=gen).to(torch.bfloat16)
+    weights, ids = torch.topk(torch.randn(5, s.E, generator=gen).softmax(-1), 2, dim=-1)
+    ids = ids.to(torch.int32)
+    want = fused_moe_ref(x, d13_ao, d2_ao, weights, ids).float()
+    got = bench.plugin_backend(prov, x, w, ids, s.gs).run(x, weights, ids).float()
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+    base = fused_moe_ref(x, d13, d2, weights, ids).float()
+    assert ((base - want).norm() / want.norm()).item() > 0.5

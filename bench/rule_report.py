@@ -1,0 +1,188 @@
+"""The launch plan against issue 22's targets, from a `bench_moe.py --catalog` run's CSV (no GPU).
+
+    python bench/rule_report.py bench/results/h200/2026-12-05-<commit>-dev.csv [more CSVs] [--md OUT.md]
+
+For every catalog shape of the CSVs (names like "Qwen3-30B-A3B@tp4", bench/model_catalog.py), each batch size:
+
+- speed-up of `plugin-auto` over vLLM's Marlin MoE and over Humming (peer time / auto time; > 1: faster);
+- auto against the plugin's best fixed kernel of the same run (min of plugin-triton-auto and plugin-cuda):
+  auto / best, the target being at most 1.10;
+- the cuda shape rule's decision (backends/cuda.rule_takes) against the faster of triton and cuda, and
+  the plan's (launch_plan.plan: a measured crossover first, then the rule), so a rule can be judged on
+  shapes it was never fitted on.
+
+Targets (issue 22, H200): auto >= 1.0x Marlin at every M <= 64, >= 0.9x at M = 256, geomean >= 1.2x at
+M <= 16, never more than 10% slower than the plugin's best fixed kernel. The development and validation
+sets are reported side by side; the rules are fitted on the first only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from model_catalog import CATALOG  # noqa: E402
+from model_shapes import Shape, model_moe_shape  # noqa: E402
+
+TRITON, CUDA, AUTO = "plugin-triton-auto", "plugin-cuda", "plugin-auto"
+PEERS = ("vllm-marlin", "vllm-humming")
+TP_SIZES = (1, 2, 4, 8)
+
+
+def catalog_shapes() -> dict[str, tuple[str, Shape]]:
+    """shape name -> (the model's set, its Shape), for every catalog model at every TP size it splits at."""
+    out = {}
+    for name, (split, cfg) in CATALOG.items():
+        for tp in TP_SIZES:
+            try:
+                s = model_moe_shape(cfg, tp, None, None, name=name)
+            except ValueError:
+                continue
+            out[s.name] = (split, s)
+    return out
+
+
+def problem_of(s: Shape):
+    """The MoEProblem the plugin plans for this shape (GPTQ layout, sm90, plan only)."""
+    from vllm_wna16_plugin.backends import MoEProblem, RunOptions
+    from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
+
+    scheme = WNA16Scheme(s.bits, s.gs, False, PackFormat.GPTQ, source="rule_report")
+    return MoEProblem(scheme=scheme, hidden=s.H, intermediate=s.I, num_experts=s.E, global_num_experts=s.E,
+                      top_k=s.top_k, group_size_w13=s.group_w13, group_size_w2=s.group_w2, platform="cuda", sm=90,
+                      options=RunOptions(plan_only=True))  # fmt: skip
+
+
+def read_times(paths: list[Path]) -> dict[tuple[str, int], dict[str, float]]:
+    """(shape, M) -> provider -> median µs (a later file's value replaces an earlier one's)."""
+    times: dict[tuple[str, int], dict[str, float]] = defaultdict(dict)
+    for path in paths:
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                if r.get("median_us"):
+                    times[(r["shape"], int(r["M"]))][r["provider"]] = float(r["median_us"])
+    return times
+
+
+@dataclass
+class Point:
+    split: str
+    shape: str
+    m: int
+    times: dict[str, float]
+    rule_cuda: bool | None  # the shape rule's decision (None: the rule does not decide this M)
+    plan_backend: str | None
+
+    @property
+    def best_fixed(self) -> float | None:
+        t = [self.times[p] for p in (TRITON, CUDA) if p in self.times]
+        return min(t) if t else None
+
+    def speedup(self, peer: str) -> float | None:
+        if peer in self.times and AUTO in self.times:
+            return self.times[peer] / self.times[AUTO]
+        return None
+
+    @property
+    def rule_time(self) -> float | None:
+        """The time of the kernel the plan picks (from the run's fixed-kernel columns)."""
+        if self.plan_backend == "cuda" and CUDA in self.times:
+            return self.times[CUDA]
+        if self.plan_backend == "triton" and TRITON in self.times:
+            return self.times[TRITON]
+        return None
+
+
+def points(times, shapes) -> list[Point]:
+    from vllm_wna16_plugin import launch_plan
+    from vllm_wna16_plugin.backends.cuda import RULE_MAX_M, RULE_MIN_M, rule_takes
+    from vllm_wna16_plugin.kernels.options import PLAN_DEVICES
+
+    h200 = PLAN_DEVICES["sm90"]
+    out = []
+    for (shape, m), t in sorted(times.items()):
+        if shape not in shapes:
+            continue
+        split, s = shapes[shape]
+        problem = problem_of(s)
+        rule = rule_takes(problem, m, h200) if RULE_MIN_M <= m <= RULE_MAX_M else None
+        try:
+            backend = launch_plan.plan(problem, m, h200).backend
+        except ValueError:
+            backend = None
+        out.append(Point(split, shape, m, t, rule, backend))
+    return sorted(out, key=lambda p: (p.split != "dev", p.shape, p.m))
+
+
+def geomean(values) -> float | None:
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def fmt(v, spec=".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def report(pts: list[Point]) -> str:
+    lines = ["| set | shape | M | auto µs | triton | cuda | plan | × Marlin | × Humming | auto / best |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for p in pts:
+        best = p.best_fixed
+        lines.append(
+            f"| {p.split} | {p.shape} | {p.m} | {fmt(p.times.get(AUTO), '.1f')} | {fmt(p.times.get(TRITON), '.1f')} "
+            f"| {fmt(p.times.get(CUDA), '.1f')} | {p.plan_backend or '-'} | {fmt(p.speedup('vllm-marlin'))} "
+            f"| {fmt(p.speedup('vllm-humming'))} | {fmt(p.times[AUTO] / best if best and AUTO in p.times else None)} |"
+        )
+    lines += ["", "| set | check | result |", "|---|---|---|"]
+    for split in sorted({p.split for p in pts}):
+        sp = [p for p in pts if p.split == split]
+        for peer in PEERS:
+            low = [p for p in sp if p.m <= 16]
+            lines.append(f"| {split} | geomean × {peer}, M <= 16 (target >= 1.2) "
+                         f"| {fmt(geomean(p.speedup(peer) for p in low))} |")  # fmt: skip
+            for cap, m_set, target in ((1.0, lambda m: m <= 64, "M <= 64"), (0.9, lambda m: m == 256, "M = 256")):
+                pick = [p for p in sp if m_set(p.m) and p.speedup(peer) is not None]
+                worst = min(pick, key=lambda p: p.speedup(peer), default=None)
+                below = sum(p.speedup(peer) < cap for p in pick)
+                lines.append(
+                    f"| {split} | × {peer} at {target} (target >= {cap}) | {below} of {len(pick)} below; worst "
+                    f"{fmt(worst.speedup(peer) if worst else None)} ({worst.shape if worst else '-'} "
+                    f"M={worst.m if worst else '-'}) |"
+                )
+        regret = [(p.times[AUTO] / p.best_fixed, p) for p in sp if AUTO in p.times and p.best_fixed]
+        over = [r for r in regret if r[0] > 1.10]
+        worst = max(regret, key=lambda r: r[0], default=None)
+        lines.append(f"| {split} | auto > 1.10 × the best fixed kernel | {len(over)} of {len(regret)}; worst "
+                     f"{fmt(worst[0] if worst else None)} ({worst[1].shape if worst else '-'} "
+                     f"M={worst[1].m if worst else '-'}) |")  # fmt: skip
+        decided = [p for p in sp if p.rule_cuda is not None and TRITON in p.times and CUDA in p.times]
+        wrong = [p for p in decided if p.rule_cuda != (p.times[CUDA] < p.times[TRITON])]
+        costly = [p for p in wrong if max(p.times[CUDA], p.times[TRITON]) / min(p.times[CUDA], p.times[TRITON]) > 1.1]
+        lines.append(f"| {split} | the cuda rule's decisions against the faster kernel | {len(wrong)} of "
+                     f"{len(decided)} wrong, {len(costly)} by more than 10% |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("csv", nargs="+", type=Path, help="bench_moe.py run CSVs of --catalog shapes")
+    ap.add_argument("--md", type=Path, default=None, help="also write the report here")
+    args = ap.parse_args(argv)
+    text = report(points(read_times(args.csv), catalog_shapes()))
+    print(text)
+    if args.md:
+        args.md.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

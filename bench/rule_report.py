@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_catalog import CATALOG  # noqa: E402
 from model_shapes import Shape, model_moe_shape  # noqa: E402
 
-TRITON, CUDA, AUTO = "plugin-triton-auto", "plugin-cuda", "plugin-auto"
+TRITON, CUDA, AUTO, HUMMING = "plugin-triton-auto", "plugin-cuda", "plugin-auto", "vllm-humming"
+COMPOSED = "auto+humming"
 PEERS = ("vllm-marlin", "vllm-humming")
 TP_SIZES = (1, 2, 4, 8)
 
@@ -81,15 +82,23 @@ class Point:
     times: dict[str, float]
     rule_cuda: bool | None  # the shape rule's decision (None: the rule does not decide this M)
     plan_backend: str | None
+    humming: bool = False  # the Humming rule's decision (backends/humming.humming_takes)
 
     @property
     def best_fixed(self) -> float | None:
         t = [self.times[p] for p in (TRITON, CUDA) if p in self.times]
         return min(t) if t else None
 
-    def speedup(self, peer: str) -> float | None:
-        if peer in self.times and AUTO in self.times:
-            return self.times[peer] / self.times[AUTO]
+    @property
+    def composed(self) -> float | None:
+        """auto composed with Humming (RunOptions.compose_humming), from the run's columns: Humming's
+        time where the rule takes it, else plugin-auto's."""
+        return self.times.get(HUMMING) if self.humming else self.times.get(AUTO)
+
+    def speedup(self, peer: str, of: str = AUTO) -> float | None:
+        mine = self.composed if of == COMPOSED else self.times.get(of)
+        if peer in self.times and mine:
+            return self.times[peer] / mine
         return None
 
     @property
@@ -105,6 +114,7 @@ class Point:
 def points(times, shapes) -> list[Point]:
     from vllm_wna16_plugin import launch_plan
     from vllm_wna16_plugin.backends.cuda import RULE_MAX_M, RULE_MIN_M, rule_takes
+    from vllm_wna16_plugin.backends.humming import humming_takes
     from vllm_wna16_plugin.kernels.options import PLAN_DEVICES
 
     h200 = PLAN_DEVICES["sm90"]
@@ -119,7 +129,7 @@ def points(times, shapes) -> list[Point]:
             backend = launch_plan.plan(problem, m, h200).backend
         except ValueError:
             backend = None
-        out.append(Point(split, shape, m, t, rule, backend))
+        out.append(Point(split, shape, m, t, rule, backend, humming_takes(problem, m, h200)))
     return sorted(out, key=lambda p: (p.split != "dev", p.shape, p.m))
 
 
@@ -133,31 +143,35 @@ def fmt(v, spec=".2f") -> str:
 
 
 def report(pts: list[Point]) -> str:
-    lines = ["| set | shape | M | auto µs | triton | cuda | plan | × Marlin | × Humming | auto / best |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| set | shape | M | auto µs | triton | cuda | plan | × Marlin | × Humming | auto / best "
+             "| composed: runs | × Marlin | × Humming |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for p in pts:
         best = p.best_fixed
         lines.append(
             f"| {p.split} | {p.shape} | {p.m} | {fmt(p.times.get(AUTO), '.1f')} | {fmt(p.times.get(TRITON), '.1f')} "
             f"| {fmt(p.times.get(CUDA), '.1f')} | {p.plan_backend or '-'} | {fmt(p.speedup('vllm-marlin'))} "
-            f"| {fmt(p.speedup('vllm-humming'))} | {fmt(p.times[AUTO] / best if best and AUTO in p.times else None)} |"
+            f"| {fmt(p.speedup('vllm-humming'))} | {fmt(p.times[AUTO] / best if best and AUTO in p.times else None)} "
+            f"| {'humming' if p.humming else 'plugin'} | {fmt(p.speedup('vllm-marlin', COMPOSED))} "
+            f"| {fmt(p.speedup('vllm-humming', COMPOSED))} |"
         )
     lines += ["", "| set | check | result |", "|---|---|---|"]
     for split in sorted({p.split for p in pts}):
         sp = [p for p in pts if p.split == split]
-        for peer in PEERS:
-            low = [p for p in sp if p.m <= 16]
-            lines.append(f"| {split} | geomean × {peer}, M <= 16 (target >= 1.2) "
-                         f"| {fmt(geomean(p.speedup(peer) for p in low))} |")  # fmt: skip
-            for cap, m_set, target in ((1.0, lambda m: m <= 64, "M <= 64"), (0.9, lambda m: m == 256, "M = 256")):
-                pick = [p for p in sp if m_set(p.m) and p.speedup(peer) is not None]
-                worst = min(pick, key=lambda p: p.speedup(peer), default=None)
-                below = sum(p.speedup(peer) < cap for p in pick)
-                lines.append(
-                    f"| {split} | × {peer} at {target} (target >= {cap}) | {below} of {len(pick)} below; worst "
-                    f"{fmt(worst.speedup(peer) if worst else None)} ({worst.shape if worst else '-'} "
-                    f"M={worst.m if worst else '-'}) |"
-                )
+        for of in (AUTO, COMPOSED):
+            for peer in PEERS:
+                low = [p for p in sp if p.m <= 16]
+                lines.append(f"| {split} | {of}: geomean × {peer}, M <= 16 (target >= 1.2) "
+                             f"| {fmt(geomean(p.speedup(peer, of) for p in low))} |")  # fmt: skip
+                for cap, m_set, target in ((1.0, lambda m: m <= 64, "M <= 64"), (0.9, lambda m: m == 256, "M = 256")):
+                    pick = [p for p in sp if m_set(p.m) and p.speedup(peer, of) is not None]
+                    worst = min(pick, key=lambda p: p.speedup(peer, of), default=None)
+                    below = sum(p.speedup(peer, of) < cap for p in pick)
+                    lines.append(
+                        f"| {split} | {of}: × {peer} at {target} (target >= {cap}) | {below} of {len(pick)} below; "
+                        f"worst {fmt(worst.speedup(peer, of) if worst else None)} ({worst.shape if worst else '-'} "
+                        f"M={worst.m if worst else '-'}) |"
+                    )
         regret = [(p.times[AUTO] / p.best_fixed, p) for p in sp if AUTO in p.times and p.best_fixed]
         over = [r for r in regret if r[0] > 1.10]
         worst = max(regret, key=lambda r: r[0], default=None)

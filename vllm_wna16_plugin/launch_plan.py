@@ -186,6 +186,15 @@ def _plan(problem: MoEProblem, num_tokens: int, device: DeviceSpec, layer_backen
     budget)."""
     why = [f"layer backend {layer_backend!r} ({asked})"]
     runs = layer_backend
+    if problem.options.compose_humming and layer_backend in COMPOSABLE and not problem.options.explicit:
+        from vllm_wna16_plugin.backends.humming import HUMMING_RULE_SOURCE, expert_bytes, humming_takes
+        from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
+
+        read = expected_experts_hit(num_tokens * problem.top_k, problem.num_experts) * expert_bytes(problem) / 1e6
+        if humming_takes(problem, num_tokens, device):
+            why.append(f"M={num_tokens} reads about {read:.0f} MB of expert weights: Humming's ({HUMMING_RULE_SOURCE})")
+            return LaunchPlan(num_tokens, "humming", layer_backend, device, why=tuple(why))
+        why.append(f"M={num_tokens} reads about {read:.0f} MB of expert weights: the plugin's ({HUMMING_RULE_SOURCE})")
     if layer_backend == "cuda" and not problem.options.explicit:
         from vllm_wna16_plugin.backends.cuda import layer_ranges
 
@@ -205,11 +214,44 @@ def _plan(problem: MoEProblem, num_tokens: int, device: DeviceSpec, layer_backen
 
 
 def plan_backends(selection: Selection) -> tuple[str, ...]:
-    """The backends a layer's plans can name: its own, and triton for a `cuda` layer under auto."""
-    name = selection.backend.name
-    if name == "cuda" and not selection.problem.options.explicit:
-        return ("cuda", "triton")
-    return (name,)
+    """The backends a layer's plans can name: its own, triton for a `cuda` layer under auto, and humming
+    for a layer composed with it (compose_with_humming)."""
+    name, options = selection.backend.name, selection.problem.options
+    names = ("cuda", "triton") if name == "cuda" and not options.explicit else (name,)
+    if options.compose_humming and name in COMPOSABLE and not options.explicit:
+        names += ("humming",)
+    return names
+
+
+# auto's layers that can hand batches to Humming: those the plugin's own kernels run
+COMPOSABLE = ("cuda", "triton")
+
+
+def composable_with_humming(selection: Selection) -> str | None:
+    """Why auto cannot compose this layer with Humming, or None when it can: an auto cuda / triton layer
+    that Humming also runs (its verdict in the selection) and that the Humming rule speaks for on the
+    layer's device (backends/humming.humming_rule_applies), taking at least one batch size."""
+    from vllm_wna16_plugin.backends.humming import humming_rule_applies, humming_takes
+
+    problem = selection.problem
+    if selection.requested != "auto" or selection.backend.name not in COMPOSABLE:
+        return f"the layer runs {selection.backend.name!r} as asked ({selection.source})"
+    verdict = next((v for v in selection.verdicts if v.backend == "humming"), None)
+    if verdict is None or not verdict.ok:
+        return f"Humming cannot run it ({verdict.reason if verdict else 'not registered'})"
+    device = layer_device(problem)
+    if reason := humming_rule_applies(problem, device):
+        return f"the Humming rule does not speak for it: {reason}"
+    if not any(humming_takes(problem, m, device) for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)):
+        return "Humming would take none of its batch sizes"
+    return None
+
+
+def compose_with_humming(selection: Selection) -> Selection:
+    """The selection with RunOptions.compose_humming set (callers check composable_with_humming first)."""
+    problem = selection.problem
+    composed = dataclasses.replace(problem, options=dataclasses.replace(problem.options, compose_humming=True))
+    return dataclasses.replace(selection, problem=composed)
 
 
 MAX_LAYER_PLANS = 1024  # a layer's index of plans by batch size (the plans themselves are shared: _plan)
@@ -260,4 +302,12 @@ class LayerRunner:
         )
 
 
-__all__ = ["GemmPlan", "LaunchPlan", "LayerRunner", "plan", "plan_backends"]
+__all__ = [
+    "GemmPlan",
+    "LaunchPlan",
+    "LayerRunner",
+    "composable_with_humming",
+    "compose_with_humming",
+    "plan",
+    "plan_backends",
+]

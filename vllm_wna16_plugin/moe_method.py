@@ -18,7 +18,7 @@ from vllm_wna16_plugin import _vllm
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem
 from vllm_wna16_plugin.backends.base import act_order_issue, act_order_padded, act_order_split_issue
 from vllm_wna16_plugin.checkpoint_config import effective_group_size
-from vllm_wna16_plugin.launch_plan import LayerRunner
+from vllm_wna16_plugin.launch_plan import LayerRunner, composable_with_humming, compose_with_humming
 from vllm_wna16_plugin.oracle import resolve_request, select_backend
 from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
 from vllm_wna16_plugin.weight_loading import CHECKPOINT_NAMES, MoEShapes, TensorName, convert_checkpoint_tensor
@@ -219,6 +219,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 self.problem = self._make_problem(layer, has_g_idx=has_g_idx, act_order_issue=issue,
                                                   act_order_padded=padded)  # fmt: skip
                 self._select(layer)
+            self._compose(layer)
             self.runner = LayerRunner(self.selection, self.tensors)
             sorted_state = self.runner.tensors if self.runner.tensors.a_perm is not None else None
             if sorted_state is None:  # a single backend that sorts in its own prepare
@@ -236,6 +237,36 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                     if kind in ("qweight", "scales", "qzeros") and new is not None:
                         getattr(layer, name).data = new
                 self.tensors = sorted_state
+
+        def _compose(self, layer) -> None:
+            """Under auto, let Humming (vLLM 0.34's default, where installed) take the batch sizes it runs
+            faster (backends/humming.py's rule) when the layer's second copy fits (compose_decision)."""
+            import os
+
+            from vllm_wna16_plugin.backends.humming import ENV_COMPOSE, compose_decision
+
+            if self.selection.problem.options.compose_humming or composable_with_humming(self.selection):
+                return
+            t = self.tensors
+            copy = sum(x.numel() * x.element_size() for x in (t.w13_qweight, t.w2_qweight, t.w13_scales,
+                                                              t.w2_scales, t.w13_qzeros, t.w2_qzeros) if x is not None)  # fmt: skip
+            free, total = torch.cuda.mem_get_info(t.w13_qweight.device)
+            compose, why = compose_decision(os.environ.get(ENV_COMPOSE, "auto"), copy, free, total)
+            key = f"compose|{self.problem.describe()}|{compose}"
+            if key not in _LOGGED:
+                _LOGGED.add(key)
+                if compose:
+                    logger.info(
+                        "moe_wna16_plus: %s: batches that read more expert weights than the plugin's kernels "
+                        "stream fastest run on Humming (vLLM's default here); the layer keeps a second copy of its "
+                        "experts in Humming's layout (%.2f GiB; %s). %s=0 keeps one copy.",
+                        self.prefix, copy / 2**30, why, ENV_COMPOSE,
+                    )  # fmt: skip
+                else:
+                    logger.info("moe_wna16_plus: %s: not composed with Humming (%s)", self.prefix, why)
+            if compose:
+                self.selection = compose_with_humming(self.selection)
+                self.problem = self.selection.problem
 
         def _own_w2_groups(self, scales: torch.Tensor, qzeros: torch.Tensor | None):
             """This rank's groups of the down projection's (E, H, G_full) scales and (E, H*bits/8, G_full)

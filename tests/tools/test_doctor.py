@@ -395,3 +395,17 @@ def test_doctor_names_the_linear_method_of_each_format(gs32_k2048, tmp_path):
     cfg["quantization_config"]["sym"] = False
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert "linear layers: the plugin's asymmetric GPTQ linear method" in plan(tmp_path, tp=1, device="sm90")
+
+
+def test_doctor_says_which_batch_sizes_humming_takes_where_installed(gs32_k2048, tmp_path):
+    """Qwen3-30B-A3B's config.json (doctor reads nothing else): from M=4 a call reads > 20 MB of experts."""
+    config = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+              "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "num_attention_heads": 32,
+              "num_hidden_layers": 1, "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                                              "sym": True, "desc_act": False}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    line = next(x for x in plan(tmp_path, tp=1, device="sm90").splitlines() if x.startswith("composed with Humming"))
+    assert "VLLM_WNA16_PLUS_HUMMING" in line and "M=4, 8, 16" in line and "M=2," not in line
+    assert "no (the Humming rule does not speak for it: measured on sm90 only" in plan(tmp_path, tp=1, device="sm80")
+    # E=8 experts of about 0.9 MB: no batch reads 20 MB
+    assert "composed with Humming: no (Humming would take none of its batch sizes)" in plan(gs32_k2048, device="sm90")

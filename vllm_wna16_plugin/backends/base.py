@@ -22,12 +22,15 @@ class RunOptions:
     interpreter on CPU, `cuda` outside its measured crossover). plan_only: judge the device described
     (doctor, a test's sm90 problem), not this machine: no imports or extension checks. device_name: the
     GPU whose crossover table applies (a plan names one; else this machine's). kernel: the kernels'
-    switches (kernels.options.KernelOptions: tensor descriptors, int4 dot forms, CUDA kernel forms)."""
+    switches (kernels.options.KernelOptions: tensor descriptors, int4 dot forms, CUDA kernel forms).
+    compose_humming: auto's cuda / triton layer also holds Humming's copy of its weights and hands it the
+    batches backends/humming.humming_takes gives it (launch_plan.compose_with_humming sets it)."""
 
     explicit: bool = False
     plan_only: bool = False
     device_name: str | None = None
     kernel: KernelOptions = DEFAULT_OPTIONS
+    compose_humming: bool = False
 
 
 @dataclass(frozen=True)

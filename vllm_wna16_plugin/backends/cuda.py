@@ -53,32 +53,44 @@ def layer_key(problem: MoEProblem) -> str:
     return crossover.layer_key(problem.num_experts, problem.hidden, problem.intermediate, gs, problem.scheme.bits)
 
 
-# Where no crossover was measured for a layer, `auto` runs cuda by a rule of the shape (a first fit, issue 22
-# item 2): int4 on sm90, GEMM1 on the tensor-core kernel, and a batch of RULE_MIN_M..RULE_MAX_M tokens whose
-# GEMM1 gives each warp of the stream grid >= RULE_MIN_PAIRS_PER_WARP pairs of K steps (the kernel's own
-# split of the work, cuda_ops.stream_pairs_per_warp) with <= RULE_MAX_TOKENS_PER_EXPERT tokens per expert hit.
-# Fitted on the six H200 bench shapes (runs stream3 for M <= 64, 12bbb3a-tuned-full above; tests/kernels/
-# test_cuda_rule.py): cuda won at 0.60-0.96x of triton's time wherever the rule takes it, and where it does
-# not, triton was never more than 10% slower (k1344-gs32 at M 2-8 and 64: cuda 0.90-0.92x). Every shape
-# lost from M=128 (1.05-1.96x). Not yet validated on the catalog's validation set (bench/model_catalog.py).
+# Where no crossover was measured for a layer, `auto` runs cuda by a rule of the shape (issue 22 item 2):
+# int4 on sm90, GEMM1 on the tensor-core kernel, a batch of RULE_MIN_M..RULE_MAX_M tokens with at most
+# RULE_MAX_TOKENS_PER_EXPERT tokens per expert hit, and enough work per warp of the stream grid (pairs of K
+# steps of GEMM1, the kernel's own split: cuda_ops.stream_pairs_per_warp), where the bar depends on what
+# triton would run:
+#   - where triton runs a GEMV (pairs / experts hit <= triton's GEMV_MAX_PAIRS_PER_EXPERT: one pair per
+#     program, no tl.dot) it is hard to beat: cuda needs >= RULE_MIN_PAIRS_PER_WARP_GEMV pairs per warp;
+#   - where triton runs 16-row tl.dot tiles (its register-latency-bound form) cuda wins from
+#     RULE_MIN_PAIRS_PER_WARP_TILE.
+# Fitted on the development set (bench/model_catalog.py, 8 models at TP 1 and 4, M 4/16/64: 2026-12-05-c410069-
+# dev.md) and the six bench shapes (runs stream3 / 12bbb3a-tuned-full, M 1-4096); tests/kernels/
+# test_cuda_rule.py. GEMV regime: cuda 0.83-0.94x triton's time from 6.5 pairs per warp (bench shapes 6.5-6.9,
+# dev 18.9-20.7), 1.01-1.46x at <= 5.2; tile regime: cuda 0.59-0.83x from 1.5 pairs per warp, and even
+# (0.92-1.05x) at 16 tokens per expert.
+# Checked on the validation set (2026-12-05-c410069-val4.md; bench/rule_report.py).
 RULE_MIN_M, RULE_MAX_M = 2, 64
-RULE_MIN_PAIRS_PER_WARP = 6.0
-RULE_MAX_TOKENS_PER_EXPERT = 12.0  # between Mixtral M=32 (8: cuda 0.76x) and M=64 (16: 1.05x)
-RULE_SOURCE = "shape rule (backends/cuda.py, fitted on the six H200 bench shapes; not yet validated)"
+RULE_MIN_PAIRS_PER_WARP_GEMV = 6.0
+RULE_MIN_PAIRS_PER_WARP_TILE = 1.5
+RULE_MAX_TOKENS_PER_EXPERT = 12.0  # between Mixtral M=32 (8: cuda 0.76x) and M=64 (16: 0.92-1.05x)
+RULE_SOURCE = "shape rule (backends/cuda.py, fitted on the H200 development set 2026-12-05-c410069-dev)"
 
 
 def rule_takes(problem: MoEProblem, m: int, device: DeviceSpec) -> bool:
     """Whether the shape rule (above) runs `m` tokens of this layer on cuda on `device`."""
     from vllm_wna16_plugin.kernels.cuda_ops import mma_kernel_fits, stream_pairs_per_warp
-    from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
+    from vllm_wna16_plugin.kernels.triton.configs import GEMV_MAX_PAIRS_PER_EXPERT, expected_experts_hit
 
     h, i, e, k = problem.hidden, problem.intermediate, problem.num_experts, problem.top_k
     if not (RULE_MIN_M <= m <= RULE_MAX_M) or device.platform != "cuda" or device.sm != 90:
         return False
     if problem.scheme.bits != 4 or not mma_kernel_fits(h, h // problem.group_size_w13, 4):
         return False
+    per_expert = m * k / expected_experts_hit(m * k, e)
+    if per_expert > RULE_MAX_TOKENS_PER_EXPERT:
+        return False
     per_warp = stream_pairs_per_warp(m, k, e, h, i, 4, True, min(m, 8), device.sm_count)
-    return per_warp >= RULE_MIN_PAIRS_PER_WARP and m * k / expected_experts_hit(m * k, e) <= RULE_MAX_TOKENS_PER_EXPERT
+    gemv = per_expert <= GEMV_MAX_PAIRS_PER_EXPERT
+    return per_warp >= (RULE_MIN_PAIRS_PER_WARP_GEMV if gemv else RULE_MIN_PAIRS_PER_WARP_TILE)
 
 
 @functools.lru_cache(maxsize=1024)

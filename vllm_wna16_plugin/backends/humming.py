@@ -254,6 +254,83 @@ def _to_humming(qweight, scales, qzeros, dtype) -> dict[str, torch.Tensor]:
     return out
 
 
+# ---------------------------------------------------------------- composing auto with Humming
+
+# Where `auto` hands a batch to Humming on a layer the plugin's kernels also run (launch_plan composes
+# them; the layer then holds a second copy of its experts' weights in Humming's layout, compose_decision).
+# Fitted on the development set of bench/model_catalog.py (8 models at TP 1 and 4, M 1/4/16/64/256; H200,
+# vLLM 0.34.0, humming-kernels 0.1.19, bench/results/h200/2026-12-05-c410069-dev.md): Humming streams a
+# call's weights faster once the call reads more than a few tens of MB, while the plugin's decode kernels
+# win on small reads (less fixed cost per expert). The plugin's best kernel over Humming's time:
+#     M=1: faster on every dev shape whose experts hit read <= 44 MB (1.12-2.77x), slower on every one
+#          reading >= 69 MB (0.85-0.96x)
+#     M>=4: faster where the call reads <= 20 MB (1.08-1.65x), slower or even (<= 1.01x) on 27 of 28 others
+#          (Qwen1.5-MoE-A2.7B at TP1, M=4, 62 MB: 1.15x the one miss)
+# Checked on the validation set (2026-12-05-c410069-val4.md, -val-mixtral8x22b.csv; never fitted on):
+# bench/rule_report.py. Measured for int4, symmetric, groups 32-128 on sm90 only: elsewhere auto never
+# composes.
+HUMMING_M1_MIN_BYTES = 56e6
+HUMMING_MIN_BYTES = 20e6
+# M=2 was not timed beside Humming: its bar is M=1's, since Humming's times bracket M=2 between its M=1 and
+# M=4 ones and the plugin's own M=2 times (run stream3) sit nearer its M=1 ones (Qwen3-30B-A3B: 20 / 29 / 48 µs
+# at M=1 / 2 / 4 against Humming's 29 / - / 46)
+HUMMING_M1_BAR_UP_TO = 2
+HUMMING_RULE_SOURCE = "Humming rule (backends/humming.py; H200 dev set 2026-12-05-c410069-dev, validated on -val4)"
+ENV_COMPOSE = "VLLM_WNA16_PLUS_HUMMING"  # auto (default): compose while memory allows; 1: always; 0: never
+# auto composes a layer only while, after its second copy, at least this share of the device stays free
+# (vLLM's KV cache is sized after the weights: the copies must not take what it needs)
+COMPOSE_MIN_FREE_FRACTION = 0.5
+
+
+def expert_bytes(problem: MoEProblem) -> float:
+    """Bytes of one expert's weights and bf16 scales (both GEMMs) on this rank."""
+    h, i, bits = problem.hidden, problem.intermediate, problem.scheme.bits
+    return 3 * h * i * bits / 8 + (2 * i * (h // problem.group_size_w13) + h * (i // problem.group_size_w2)) * 2
+
+
+def humming_rule_applies(problem: MoEProblem, device) -> str | None:
+    """Why the Humming rule does not speak for this layer on `device` (None: it does)."""
+    if device.platform != "cuda" or device.sm != 90:
+        return f"measured on sm90 only (device is {device.platform} sm{device.sm})"
+    scheme = problem.scheme
+    if scheme.bits != 4 or scheme.has_zero_point or scheme.is_channelwise or problem.has_g_idx:
+        return "measured for symmetric int4 with groups only"
+    if not (32 <= problem.group_size_w13 <= 128 and 16 <= problem.group_size_w2 <= 128):
+        return f"group sizes {problem.group_size_w13}/{problem.group_size_w2} not measured"
+    return None
+
+
+def humming_takes(problem: MoEProblem, m: int, device) -> bool:
+    """Whether auto runs `m` tokens of this layer on Humming (the rule above): the expert weights a call
+    of m tokens reads, E_hit(m * top_k) * expert_bytes, above HUMMING_M1_MIN_BYTES (m <= 2) or
+    HUMMING_MIN_BYTES."""
+    from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
+
+    if humming_rule_applies(problem, device):
+        return False
+    read = expected_experts_hit(m * problem.top_k, problem.num_experts) * expert_bytes(problem)
+    return read > (HUMMING_M1_MIN_BYTES if m <= HUMMING_M1_BAR_UP_TO else HUMMING_MIN_BYTES)
+
+
+def compose_decision(setting: str, layer_bytes: int, free_bytes: int, total_bytes: int) -> tuple[bool, str]:
+    """(compose, why) for one layer: ENV_COMPOSE's `setting` ("auto", "1", "0"; anything else raises
+    ValueError naming the variable), the bytes of its second copy, and the device's free and total memory."""
+    value = (setting or "auto").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return False, f"{ENV_COMPOSE}={setting}"
+    if value in ("1", "on", "true", "yes"):
+        return True, f"{ENV_COMPOSE}={setting}"
+    if value != "auto":
+        raise ValueError(f"{ENV_COMPOSE}={setting!r}: use auto (compose while memory allows), 1 (always) or 0 (never)")
+    left = free_bytes - layer_bytes
+    if left >= COMPOSE_MIN_FREE_FRACTION * total_bytes:
+        return True, f"{left / 2**30:.1f} GiB of {total_bytes / 2**30:.1f} GiB stay free after its copy"
+    return False, (
+        f"memory: after its copy {max(left, 0) / 2**30:.1f} GiB of {total_bytes / 2**30:.1f} GiB would stay free, "
+        f"less than {COMPOSE_MIN_FREE_FRACTION:.0%} ({ENV_COMPOSE}=1 composes anyway)"
+    )
+
+
 class HummingBackend(Backend):
     name = "humming"
     description = (

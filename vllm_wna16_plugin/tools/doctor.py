@@ -33,8 +33,9 @@ from vllm_wna16_plugin.checkpoint_config import (
 )
 from vllm_wna16_plugin.gptq_linear import LINEAR_METHOD, owns_linear
 from vllm_wna16_plugin.kernels.options import PLAN_DEVICES
+from vllm_wna16_plugin.launch_plan import composable_with_humming, compose_with_humming
 from vllm_wna16_plugin.launch_plan import plan as launch_plan
-from vllm_wna16_plugin.oracle import collect_verdicts
+from vllm_wna16_plugin.oracle import collect_verdicts, select_backend
 from vllm_wna16_plugin.scheme import WNA16Scheme, not_an_int, type_name
 
 # --device: what each name is planned as (sm90 is the H200 whose tuned configs and crossovers ship)
@@ -425,7 +426,22 @@ def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_con
         out += [
             "  " + line for m in BATCH_SIZES for line in launch_plan(problem, m, DEVICES[device]).describe().split("\n")
         ]
+        out += ["", _humming_composition(problem, DEVICES[device])]
     return out
+
+
+def _humming_composition(problem: MoEProblem, device) -> str:
+    """Which batch sizes auto hands to Humming where humming-kernels is installed (vLLM 0.34's default on
+    sm90) and the layer's second copy fits (backends/humming.compose_decision), or why it never does."""
+    from vllm_wna16_plugin.backends.humming import ENV_COMPOSE
+
+    selection = select_backend(problem)
+    if why_not := composable_with_humming(selection):
+        return f"composed with Humming: no ({why_not})"
+    composed = compose_with_humming(selection)
+    takes = [m for m in BATCH_SIZES if launch_plan(composed.problem, m, device, selection=composed).backend == "humming"]
+    return (f"composed with Humming where humming-kernels is installed and memory allows ({ENV_COMPOSE}): "
+            f"M={', '.join(map(str, takes))} run on Humming, the others as above")  # fmt: skip
 
 
 def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_configs: bool = True) -> str:

@@ -139,6 +139,10 @@ NUM_SMS_HINT = 132  # H100/H200; the heuristic only needs the order of magnitude
 MIN_PROGRAMS = 2 * NUM_SMS_HINT  # two programs per SM: one streams while the other dequantizes
 
 
+# default_config's GEMV regime: routed pairs per expert hit at most this (one pair per program, no tl.dot)
+GEMV_MAX_PAIRS_PER_EXPERT = 1.15
+
+
 def expected_experts_hit(pairs: int, E: int) -> float:
     """E * (1 - (1 - 1/E)**pairs): distinct experts hit by `pairs` uniform routed pairs."""
     return E * (1.0 - (1.0 - 1.0 / E) ** pairs) if E > 1 else 1.0
@@ -163,7 +167,7 @@ def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, 
     hit = expected_experts_hit(pairs, E)
     tokens_per_expert = pairs / hit
     gs = K if group_size == -1 else group_size
-    if pairs / hit <= 1.15:
+    if pairs / hit <= GEMV_MAX_PAIRS_PER_EXPERT:
         bm, bk_wish, group_m, warps, stages, bn = 1, 256, 1, 4, 4, 64
         m_blocks = pairs
     elif tokens_per_expert <= 16:

@@ -46,7 +46,9 @@ def test_targets_are_read_per_set_from_the_run(report, tmp_path):
     assert "| dev | plugin-auto: × vllm-marlin at M <= 64 (target >= 1.0) | 0 of 1 below; worst 1.10" in text
     assert "| validation | plugin-auto: × vllm-marlin at M = 256 (target >= 0.9) | 1 of 1 below; worst 0.83" in text
     # composed with Humming: Qwen3-30B-A3B at M=16 reads ~190 MB, which the rule gives Humming (90 µs)
-    assert qwen.humming and qwen.composed == 90 and qwen.speedup("vllm-marlin", report.COMPOSED) == pytest.approx(110 / 90)
+    assert (
+        qwen.humming and qwen.composed == 90 and qwen.speedup("vllm-marlin", report.COMPOSED) == pytest.approx(110 / 90)
+    )
     assert mixtral.composed is None  # Humming crashed there: no composed time
     assert "| dev | auto+humming: × vllm-humming at M <= 64 (target >= 1.0) | 0 of 1 below; worst 1.00" in text
     assert "| dev | auto > 1.10 × the best fixed kernel | 1 of 1; worst 1.25" in text

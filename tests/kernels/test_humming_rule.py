@@ -134,7 +134,10 @@ def test_a_composed_layer_plans_humming_where_the_rule_takes_it_and_its_own_kern
     composed = compose_with_humming(selection)
     assert plan_backends(composed) == ("cuda", "triton", "humming")
     assert plan_backends(selection) == ("cuda", "triton")  # not composed: one copy, the plugin's kernels
-    small, large = plan(composed.problem, 1, H200, selection=composed), plan(composed.problem, 64, H200, selection=composed)
+    small, large = (
+        plan(composed.problem, 1, H200, selection=composed),
+        plan(composed.problem, 64, H200, selection=composed),
+    )
     assert small.backend in ("cuda", "triton") and small.launch is not None
     assert large.backend == "humming" and large.launch is None
     assert any("MB of expert weights" in w and "Humming rule" in w for w in large.why)

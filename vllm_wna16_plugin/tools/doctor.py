@@ -439,7 +439,9 @@ def _humming_composition(problem: MoEProblem, device) -> str:
     if why_not := composable_with_humming(selection):
         return f"composed with Humming: no ({why_not})"
     composed = compose_with_humming(selection)
-    takes = [m for m in BATCH_SIZES if launch_plan(composed.problem, m, device, selection=composed).backend == "humming"]
+    takes = [
+        m for m in BATCH_SIZES if launch_plan(composed.problem, m, device, selection=composed).backend == "humming"
+    ]
     return (f"composed with Humming where humming-kernels is installed and memory allows ({ENV_COMPOSE}): "
             f"M={', '.join(map(str, takes))} run on Humming, the others as above")  # fmt: skip
 

@@ -178,6 +178,12 @@ def report(pts: list[Point]) -> str:
         lines.append(f"| {split} | auto > 1.10 × the best fixed kernel | {len(over)} of {len(regret)}; worst "
                      f"{fmt(worst[0] if worst else None)} ({worst[1].shape if worst else '-'} "
                      f"M={worst[1].m if worst else '-'}) |")  # fmt: skip
+        planned = [(p.rule_time / p.best_fixed, p) for p in sp if p.rule_time and p.best_fixed]
+        over = [r for r in planned if r[0] > 1.10]
+        worst = max(planned, key=lambda r: r[0], default=None)
+        lines.append(f"| {split} | this commit's plan (its kernel's column) > 1.10 × the best fixed kernel | {len(over)} of "
+                     f"{len(planned)}; worst {fmt(worst[0] if worst else None)} ({worst[1].shape if worst else '-'} "
+                     f"M={worst[1].m if worst else '-'}) |")  # fmt: skip
         decided = [p for p in sp if p.rule_cuda is not None and TRITON in p.times and CUDA in p.times]
         wrong = [p for p in decided if p.rule_cuda != (p.times[CUDA] < p.times[TRITON])]
         costly = [p for p in wrong if max(p.times[CUDA], p.times[TRITON]) / min(p.times[CUDA], p.times[TRITON]) > 1.1]

@@ -464,7 +464,6 @@ def test_act_order_layer_reads_x_in_each_experts_k_order(zp, gs, emap, monkeypat
 
     monkeypatch.setattr(cuda_ops, "extension_error", lambda: None)
     monkeypatch.setattr(cuda_ops, "invoke_moe_wna16_gemm", _emulated_gemm)
-    monkeypatch.setattr(cuda_ops, "ACT_ORDER_GATHER_PAIRS", 3)  # the 10 routed pairs gathered in 4 steps
     monkeypatch.setattr(cuda_ops, "align_block_size",
                         lambda ids, bm, n, emap, *a, **k: moe_align_block_size_torch(ids, bm, n, emap))  # fmt: skip
     s = cuda_layout(sort_act_order(t, 4))
@@ -475,3 +474,31 @@ def test_act_order_layer_reads_x_in_each_experts_k_order(zp, gs, emap, monkeypat
     # the premise: without the gather the sorted weights meet x in the wrong order
     wrong = cuda_ops.fused_moe_wna16_cuda(x, *s.weights(), w, ids, **kw)
     assert (wrong.float() - ref.float()).abs().max() > 0.1 * ref.float().abs().max()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("emap, dtype", [(False, torch.bfloat16), (True, torch.float16)])
+def test_the_act_order_gather_kernel_is_the_torch_gather(emap, dtype, monkeypatch):
+    """kernels/triton/act_order.py against the torch form and a loop of plain indexing, on fresh random data:
+    H not a power of two (a masked tail), pairs routed off the rank (expert_map -1: expert 0's order)."""
+    from vllm_wna16_plugin.kernels import cuda_ops
+    from vllm_wna16_plugin.kernels.triton.act_order import act_order_rows_triton
+
+    gen = torch.Generator().manual_seed(5)
+    m, top_k, E, H = 7, 3, 4, 1200  # noqa: N806
+    a = torch.randn(m, H, generator=gen).to(dtype)
+    a_perm = torch.stack([torch.randperm(H, generator=gen) for _ in range(E)]).to(torch.int32)
+    n_global = 2 * E if emap else E
+    expert_map = None
+    if emap:
+        expert_map = torch.full((n_global,), -1, dtype=torch.int32)
+        expert_map[torch.tensor([0, 2, 5, 7])] = torch.arange(E, dtype=torch.int32)
+    ids = torch.randint(0, n_global, (m, top_k), generator=gen, dtype=torch.int32)
+    got = act_order_rows_triton(a, a_perm, ids, expert_map)
+    want = torch.stack([a[p // top_k, a_perm[max(0, int(expert_map[e]) if emap else int(e))].long()]
+                        for p, e in enumerate(ids.reshape(-1))])  # fmt: skip
+    assert torch.equal(got, want)
+    monkeypatch.setattr(cuda_ops, "ACT_ORDER_GATHER_PAIRS", 4)  # the torch form's 21 pairs in 6 steps
+    assert torch.equal(cuda_ops.act_order_rows_torch(a, a_perm, ids, expert_map), want)
+    assert torch.equal(cuda_ops.act_order_rows(a, a_perm, ids, expert_map), want)  # the interpreter: the kernel
+    assert act_order_rows_triton(a, a_perm, ids[:0], expert_map).shape == (0, H)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -387,8 +388,20 @@ def act_order_rows(
 ) -> torch.Tensor:
     """(M*top_k, H): row p is token p // top_k's row of `a` with its columns in the K order of pair p's expert,
     a[p // top_k, a_perm[e_p]] (a pair routed off this rank reads expert 0's order; the alignment skips it).
-    Gathered ACT_ORDER_GATHER_PAIRS pairs at a time (a bounded index); plain torch ops, no host sync,
-    CUDA-graph capturable."""
+    One Triton launch on a GPU or under Triton's interpreter (kernels/triton/act_order.py), else the torch
+    form (act_order_rows_torch)."""
+    if a.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        from vllm_wna16_plugin.kernels.triton.act_order import act_order_rows_triton
+
+        return act_order_rows_triton(a, a_perm, topk_ids, expert_map)
+    return act_order_rows_torch(a, a_perm, topk_ids, expert_map)
+
+
+def act_order_rows_torch(
+    a: torch.Tensor, a_perm: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None
+) -> torch.Tensor:
+    """act_order_rows in torch ops, ACT_ORDER_GATHER_PAIRS pairs at a time (a bounded int64 index); no host
+    sync, CUDA-graph capturable, eight launches (the form before 2026-12-05's measurement)."""
     m, top_k = topk_ids.shape
     local = topk_ids.reshape(-1).long()
     if expert_map is not None:
@@ -493,6 +506,7 @@ def fused_moe_wna16_cuda(
 __all__ = [
     "CudaLaunch",
     "act_order_rows",
+    "act_order_rows_torch",
     "cuda_launch",
     "extension_error",
     "mma_kernel_fits",

@@ -110,7 +110,7 @@ def rule_ranges(problem: MoEProblem, device: DeviceSpec) -> tuple[tuple[int, int
 # Mixtral-8x7B, DeepSeek-V2-Lite with a random K order per expert, against their twins without): triton
 # gathers A in its loads, which costs little at M=1 (+0-15%) but 1.1-2.2x its time from M=16 (Mixtral at
 # M=64: 1275 µs against 579), while cuda gathers once per routed pair (act_order_rows: about 20 µs whatever M,
-# +4-15% from M=16). So an act-order layer runs cuda at ACT_ORDER_CUDA_M (cuda-ao 0.45-0.78x triton-ao's
+# +4-15% from M=16, in its torch form of eight launches; one Triton launch since, not yet timed). So an act-order layer runs cuda at ACT_ORDER_CUDA_M (cuda-ao 0.45-0.78x triton-ao's
 # time there) and never at M=1 (cuda-ao 1.14-2.4x triton-ao's), the layer's ranges deciding the rest; a
 # layer whose ranges are empty (cuda never won on its shape) stays on triton.
 ACT_ORDER_CUDA_M = (16, 64)

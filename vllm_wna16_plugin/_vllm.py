@@ -32,6 +32,7 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | model_executor.parameter.PackedvLLMParameter / PackedColumnParameter / GroupQuantScaleParameter / ChannelQuantScaleParameter / RowvLLMParameter, model_executor.utils.replace_parameter | GPTQ-layout linear parameters sharded and merged (qkv, gate_up) exactly as vLLM's AutoGPTQLinearMethod creates them | 0.26.0 and 0.34.0 checked, same constructors | - |
 | kernels.linear.MPLinearLayerConfig + kernels.linear.mixed_precision.marlin.MarlinLinearKernel, scalar_type.scalar_types.uint4 | asymmetric GPTQ linears on vLLM's Marlin with integer (AWQ-style) zero points, as compressed-tensors' asymmetric W4A16 runs | 0.26.0: the config has a required `has_g_idx` and the kernel takes `w_gidx_param_name`; 0.34.0: neither (`marlin_zp_linear_kernel`: `dataclasses.fields`). Same zero-point input in both: the zp parameter's `.t()` is (G, N/pack) int32 packed along N, true zeros; `can_implement` takes uint4 only (no uint8 with zero points) | - |
 | vllm._custom_ops.gptq_gemm / gptq_shuffle | asymmetric GPTQ linears Marlin cannot take (int8, act order, other group sizes), float16 only: vLLM's exllama kernel reads GPTQ v1 or v2 zero points natively | 0.26.0: `(a, q, qzeros, scales, g_idx, use_exllama, use_v2_format, bit)`, `gptq_shuffle(q, perm, bit)`; 0.34.0: no `g_idx` / `perm` (no act order) (`gptq_exllama_ops`: "b_g_idx" in its signature) | - |
+| config.get_current_vllm_config().cache_config.gpu_memory_utilization / resolved_gpu_memory_utilization() | how much memory composing a layer with Humming may take (`gpu_memory_utilization`) | a float, default 0.9, 0.26-0.33; 0.34 `None` by default, resolved by the method (1.0 with its extensible KV cache) | - |
 | config.VllmConfig / DeviceConfig / set_current_vllm_config, distributed.init_distributed_environment / initialize_model_parallel | building our MoE layers on CPU without an engine (`vllm-wna16 demo` without a GPU, layer tests) | 0.26-0.34 | - |
 
 Every import is lazy (inside a function) so `import vllm_wna16_plugin` stays cheap and
@@ -346,6 +347,28 @@ def layer_local_expert_id(layer, global_expert_id: int) -> int:
 def layer_moe_backend(layer_or_moe_config) -> str:
     cfg = getattr(layer_or_moe_config, "moe_config", layer_or_moe_config)
     return str(getattr(cfg, "moe_backend", "auto") or "auto")
+
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default where the current config says nothing
+
+
+def gpu_memory_utilization() -> float:
+    """The share of the device vLLM may use (the current config's gpu_memory_utilization, or the default it
+    resolves to: 0.34's `resolved_gpu_memory_utilization()`), DEFAULT_GPU_MEMORY_UTILIZATION outside an
+    engine's config context."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        cache = getattr(get_current_vllm_config(), "cache_config", None)
+    except Exception:  # noqa: BLE001 - no config set (a layer built outside an engine)
+        return DEFAULT_GPU_MEMORY_UTILIZATION
+    resolved = getattr(cache, "resolved_gpu_memory_utilization", None)
+    try:
+        value = resolved() if callable(resolved) else resolved
+    except Exception:  # noqa: BLE001
+        value = None
+    value = value if value is not None else getattr(cache, "gpu_memory_utilization", None)
+    return float(value) if isinstance(value, (int, float)) and 0 < value <= 1 else DEFAULT_GPU_MEMORY_UTILIZATION
 
 
 def layer_activation(layer) -> str:

@@ -187,10 +187,9 @@ def _plan(problem: MoEProblem, num_tokens: int, device: DeviceSpec, layer_backen
     why = [f"layer backend {layer_backend!r} ({asked})"]
     runs = layer_backend
     if problem.options.compose_humming and layer_backend in COMPOSABLE and not problem.options.explicit:
-        from vllm_wna16_plugin.backends.humming import HUMMING_RULE_SOURCE, expert_bytes, humming_takes
-        from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
+        from vllm_wna16_plugin.backends.humming import HUMMING_RULE_SOURCE, experts_read, humming_takes
 
-        read = expected_experts_hit(num_tokens * problem.top_k, problem.num_experts) * expert_bytes(problem) / 1e6
+        read = experts_read(problem, num_tokens) / 1e6
         if humming_takes(problem, num_tokens, device):
             why.append(f"M={num_tokens} reads about {read:.0f} MB of expert weights: Humming's ({HUMMING_RULE_SOURCE})")
             return LaunchPlan(num_tokens, "humming", layer_backend, device, why=tuple(why))
@@ -234,8 +233,10 @@ def composable_with_humming(selection: Selection) -> str | None:
     from vllm_wna16_plugin.backends.humming import humming_rule_applies, humming_takes
 
     problem = selection.problem
-    if selection.requested != "auto" or selection.backend.name not in COMPOSABLE:
+    if selection.requested != "auto":
         return f"the layer runs {selection.backend.name!r} as asked ({selection.source})"
+    if selection.backend.name not in COMPOSABLE:
+        return f"auto runs it on {selection.backend.name!r}, not on the plugin's kernels"
     verdict = next((v for v in selection.verdicts if v.backend == "humming"), None)
     if verdict is None or not verdict.ok:
         return f"Humming cannot run it ({verdict.reason if verdict else 'not registered'})"

@@ -12,6 +12,8 @@ parameters then hold the sorted tensors). apply runs each batch on the plan of i
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vllm_wna16_plugin import _vllm
@@ -220,7 +222,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                                                   act_order_padded=padded)  # fmt: skip
                 self._select(layer)
             self._compose(layer)
-            self.runner = LayerRunner(self.selection, self.tensors)
+            self.runner = self._build_runner()
             sorted_state = self.runner.tensors if self.runner.tensors.a_perm is not None else None
             if sorted_state is None:  # a single backend that sorts in its own prepare
                 sorted_state = next(
@@ -243,15 +245,18 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             faster (backends/humming.py's rule) when the layer's second copy fits (compose_decision)."""
             import os
 
-            from vllm_wna16_plugin.backends.humming import ENV_COMPOSE, compose_decision
+            from vllm_wna16_plugin.backends.humming import ENV_COMPOSE, compose_decision, humming_copy_bytes
 
             if self.selection.problem.options.compose_humming or composable_with_humming(self.selection):
                 return
-            t = self.tensors
-            copy = sum(x.numel() * x.element_size() for x in (t.w13_qweight, t.w2_qweight, t.w13_scales,
-                                                              t.w2_scales, t.w13_qzeros, t.w2_qzeros) if x is not None)  # fmt: skip
-            free, total = torch.cuda.mem_get_info(t.w13_qweight.device)
-            compose, why = compose_decision(os.environ.get(ENV_COMPOSE, "auto"), copy, free, total)
+            device = self.tensors.w13_qweight.device
+            copy = humming_copy_bytes(self.problem)
+            free, total = torch.cuda.mem_get_info(device)
+            used = torch.cuda.memory_reserved(device)
+            compose, why = compose_decision(
+                os.environ.get(ENV_COMPOSE), copy, used, free, total,
+                getattr(self, "memory_utilization", _vllm.DEFAULT_GPU_MEMORY_UTILIZATION),
+            )  # fmt: skip
             key = f"compose|{self.problem.describe()}|{compose}"
             if key not in _LOGGED:
                 _LOGGED.add(key)
@@ -267,6 +272,26 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             if compose:
                 self.selection = compose_with_humming(self.selection)
                 self.problem = self.selection.problem
+
+        def _build_runner(self) -> LayerRunner:
+            """The layer's runner; a composed layer whose Humming half cannot be prepared (a compile or memory
+            failure in humming-kernels) falls back to the plugin's kernels alone, with a warning."""
+            try:
+                return LayerRunner(self.selection, self.tensors)
+            except Exception as exc:  # noqa: BLE001 - Humming's prepare is not ours to trust at load
+                if not self.selection.problem.options.compose_humming:
+                    raise
+                logger.warning(
+                    "moe_wna16_plus: %s: Humming could not be prepared (%s: %s); the layer runs the plugin's "
+                    "kernels at every batch size", self.prefix, type(exc).__name__, exc,
+                )  # fmt: skip
+                problem = self.selection.problem
+                plain = dataclasses.replace(
+                    problem, options=dataclasses.replace(problem.options, compose_humming=False)
+                )
+                self.selection = dataclasses.replace(self.selection, problem=plain)
+                self.problem = plain
+                return LayerRunner(self.selection, self.tensors)
 
         def _own_w2_groups(self, scales: torch.Tensor, qzeros: torch.Tensor | None):
             """This rank's groups of the down projection's (E, H, G_full) scales and (E, H*bits/8, G_full)
@@ -314,6 +339,13 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             )
 
         def _select(self, layer) -> None:
+            import os
+
+            from vllm_wna16_plugin.backends.humming import ENV_COMPOSE, compose_setting
+
+            compose_setting(os.environ.get(ENV_COMPOSE))  # a bad value is refused before any weight is read
+            if not hasattr(self, "memory_utilization"):  # read in create_weights, inside the engine's config
+                self.memory_utilization = _vllm.gpu_memory_utilization()
             requested, source = resolve_request(_vllm.layer_moe_backend(layer))
             self.selection = select_backend(self.problem, requested, source)
             self.problem = self.selection.problem  # as judged: options.explicit says whether it was named

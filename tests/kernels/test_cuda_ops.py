@@ -219,8 +219,11 @@ def test_cuda_backend_rules():
     cuda = registry()["cuda"]
     assert cuda.incompatibility_reason(_problem(explicit=True)) is None
     assert cuda.incompatibility_reason(_problem(gs=CHANNELWISE, bits=8, explicit=True)) is None
-    # auto takes it only on a measured crossover (tests/test_crossover.py); none is shipped
-    assert "no measured crossover over triton" in cuda.incompatibility_reason(_problem())
+    # auto takes it only on a measured crossover (tests/test_crossover.py) or by the shape rule (sm90 only,
+    # tests/kernels/test_cuda_rule.py): E=8, top 2, H=2048, I=512 at gs32 has no crossover, and the rule gives it
+    # M 32-47 on sm90, nothing on sm80
+    assert cuda.incompatibility_reason(_problem()) is None
+    assert "no measured crossover over triton" in cuda.incompatibility_reason(_problem(sm=80))
     assert "NVIDIA GPU" in cuda.incompatibility_reason(_problem(platform="cpu", explicit=True))
     assert "sm80+" in cuda.incompatibility_reason(_problem(sm=75, explicit=True))
     assert "group size 16" in cuda.incompatibility_reason(_problem(gs=16, explicit=True))

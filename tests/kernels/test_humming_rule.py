@@ -17,9 +17,12 @@ import pytest
 
 from vllm_wna16_plugin.backends import MoEProblem, RunOptions
 from vllm_wna16_plugin.backends.humming import (
-    COMPOSE_MIN_FREE_FRACTION,
+    COMPOSE_MAX_BUDGET_SHARE,
     ENV_COMPOSE,
     compose_decision,
+    compose_setting,
+    experts_read,
+    humming_copy_bytes,
     humming_rule_applies,
     humming_takes,
 )
@@ -103,29 +106,48 @@ GIB = 2**30
 
 
 @pytest.mark.parametrize(
-    "setting, copy, free, compose",
+    "setting, copy, used, free, util, compose",
     [
-        ("auto", 1 * GIB, 100 * GIB, True),
-        ("", 1 * GIB, 100 * GIB, True),  # unset: auto
-        ("auto", 1 * GIB, 71 * GIB, True),  # 70 of 139 GiB stay free: half
-        ("auto", 1 * GIB, 70 * GIB, False),  # 69: not quite
-        ("0", 1 * GIB, 100 * GIB, False),
-        ("off", 1 * GIB, 100 * GIB, False),
-        ("1", 1 * GIB, 2 * GIB, True),  # asked for: whatever the memory
+        ("auto", 1 * GIB, 20 * GIB, 100 * GIB, 0.9, True),  # 21 of half of 125 GiB
+        (None, 1 * GIB, 20 * GIB, 100 * GIB, 0.9, True),  # unset: auto
+        ("auto", 1 * GIB, 61 * GIB, 70 * GIB, 0.9, True),  # 62 <= 62.55
+        ("auto", 1 * GIB, 62 * GIB, 70 * GIB, 0.9, False),  # 63: past half of vLLM's share
+        ("auto", 1 * GIB, 20 * GIB, 110 * GIB, 0.3, False),  # --gpu-memory-utilization 0.3: 21 > 20.85
+        ("auto", 8 * GIB, 1 * GIB, 4 * GIB, 0.9, False),  # not even free
+        ("0", 1 * GIB, 1 * GIB, 100 * GIB, 0.9, False),
+        ("off", 1 * GIB, 1 * GIB, 100 * GIB, 0.9, False),
+        ("1", 1 * GIB, 100 * GIB, 2 * GIB, 0.9, True),  # asked for: whatever the memory
     ],
 )
-def test_compose_decision(setting, copy, free, compose):
-    total = 139 * GIB
-    got, why = compose_decision(setting, copy, free, total)
-    assert COMPOSE_MIN_FREE_FRACTION == 0.5
+def test_compose_decision(setting, copy, used, free, util, compose):
+    got, why = compose_decision(setting, copy, used, free, 139 * GIB, util)
+    assert COMPOSE_MAX_BUDGET_SHARE == 0.5
     assert got == compose and why
-    if setting == "auto" and not got:
-        assert "GiB" in why and ENV_COMPOSE in why
+    if setting in ("auto", None) and not got:
+        assert "GiB" in why and ENV_COMPOSE in why and f"{util:g}" in why
 
 
 def test_a_bad_setting_is_refused_naming_the_variable():
     with pytest.raises(ValueError, match=f"{ENV_COMPOSE}='maybe'.*auto.*1.*0"):
-        compose_decision("maybe", 1, 2, 3)
+        compose_decision("maybe", 1, 1, 2, 3, 0.9)
+    assert compose_setting(" ON ") == "on" and compose_setting(None) == "auto"
+
+
+def test_expert_parallel_ranks_read_their_share_of_the_routed_pairs():
+    """Qwen3-30B-A3B at EP 8 (16 of 128 experts per rank): M=4's 32 pairs hit about 3.7 local experts,
+    9 MB, the plugin's; at TP 1 the same M reads 28.5 experts, 67 MB, Humming's."""
+    whole = problem_of(128, 8, 2048, 768)
+    rank = dataclasses.replace(problem_of(16, 8, 2048, 768), global_num_experts=128)
+    assert experts_read(rank, 4) == pytest.approx(experts_read(whole, 4) / 8)
+    assert humming_takes(whole, 4, H200) and not humming_takes(rank, 4, H200) and humming_takes(rank, 16, H200)
+
+
+def test_the_copy_is_counted_with_humming_padding():
+    """Qwen3-30B-A3B at TP 4: I=192, so GEMM1's N 384 -> 512, GEMM2's K 192 -> 256 (groups of 64)."""
+    p = problem_of(128, 8, 2048, 192, gs=128, gs2=64)
+    w13 = 512 * 2048 // 2 + 512 * 16 * 2
+    w2 = 2048 * 256 // 2 + 2048 * 4 * 2
+    assert humming_copy_bytes(p) == 128 * (w13 + w2)
 
 
 def test_a_composed_layer_plans_humming_where_the_rule_takes_it_and_its_own_kernels_elsewhere():

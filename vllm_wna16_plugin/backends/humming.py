@@ -277,15 +277,41 @@ HUMMING_MIN_BYTES = 20e6
 HUMMING_M1_BAR_UP_TO = 2
 HUMMING_RULE_SOURCE = "Humming rule (backends/humming.py; H200 dev set 2026-12-05-c410069-dev, validated on -val4)"
 ENV_COMPOSE = "VLLM_WNA16_PLUS_HUMMING"  # auto (default): compose while memory allows; 1: always; 0: never
-# auto composes a layer only while, after its second copy, at least this share of the device stays free
-# (vLLM's KV cache is sized after the weights: the copies must not take what it needs)
-COMPOSE_MIN_FREE_FRACTION = 0.5
+# auto composes a layer only while this process's memory, with the layer's second copy, stays within this
+# share of what vLLM may use (gpu_memory_utilization x the device's memory): vLLM sizes its KV cache from
+# the rest after loading, and the copies count as weights there
+COMPOSE_MAX_BUDGET_SHARE = 0.5
 
 
 def expert_bytes(problem: MoEProblem) -> float:
     """Bytes of one expert's weights and bf16 scales (both GEMMs) on this rank."""
     h, i, bits = problem.hidden, problem.intermediate, problem.scheme.bits
     return 3 * h * i * bits / 8 + (2 * i * (h // problem.group_size_w13) + h * (i // problem.group_size_w2)) * 2
+
+
+def experts_read(problem: MoEProblem, m: int) -> float:
+    """Bytes of expert weights a call of m tokens reads on this rank: the local experts hit by m * top_k pairs
+    routed uniformly over the global experts (expert parallelism: the others are another rank's)."""
+    e_loc, e_glob = problem.num_experts, max(problem.global_num_experts, problem.num_experts)
+    hit = e_loc * (1.0 - (1.0 - 1.0 / e_glob) ** (m * problem.top_k)) if e_glob > 1 else 1.0
+    return hit * expert_bytes(problem)
+
+
+def humming_copy_bytes(problem: MoEProblem) -> int:
+    """Bytes of Humming's copy of a layer: its weights with N padded to PAD_N_TO and K to PAD_K_TO (as
+    prepare_and_transform_humming_tensors lays them out), the scales in the activation dtype and the zero
+    points, for both GEMMs."""
+    e, h, i, bits = problem.num_experts, problem.hidden, problem.intermediate, problem.scheme.bits
+    total = 0
+    for n, k, gs in ((2 * i, h, problem.group_size_w13), (h, i, problem.group_size_w2)):
+        n_pad, k_pad = _round_up(n, PAD_N_TO), _round_up(k, PAD_K_TO)
+        groups = 1 if gs == k else k_pad // gs
+        total += (
+            n_pad * k_pad * bits // 8
+            + n_pad * groups * 2
+            + (n_pad * groups * bits // 8 if problem.scheme.has_zero_point else 0)
+        )
+    return e * total
 
 
 def humming_rule_applies(problem: MoEProblem, device) -> str | None:
@@ -302,32 +328,42 @@ def humming_rule_applies(problem: MoEProblem, device) -> str | None:
 
 def humming_takes(problem: MoEProblem, m: int, device) -> bool:
     """Whether auto runs `m` tokens of this layer on Humming (the rule above): the expert weights a call
-    of m tokens reads, E_hit(m * top_k) * expert_bytes, above HUMMING_M1_MIN_BYTES (m <= 2) or
-    HUMMING_MIN_BYTES."""
-    from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
-
+    of m tokens reads (experts_read) above HUMMING_M1_MIN_BYTES (m <= 2) or HUMMING_MIN_BYTES."""
     if humming_rule_applies(problem, device):
         return False
-    read = expected_experts_hit(m * problem.top_k, problem.num_experts) * expert_bytes(problem)
-    return read > (HUMMING_M1_MIN_BYTES if m <= HUMMING_M1_BAR_UP_TO else HUMMING_MIN_BYTES)
+    return experts_read(problem, m) > (HUMMING_M1_MIN_BYTES if m <= HUMMING_M1_BAR_UP_TO else HUMMING_MIN_BYTES)
 
 
-def compose_decision(setting: str, layer_bytes: int, free_bytes: int, total_bytes: int) -> tuple[bool, str]:
-    """(compose, why) for one layer: ENV_COMPOSE's `setting` ("auto", "1", "0"; anything else raises
-    ValueError naming the variable), the bytes of its second copy, and the device's free and total memory."""
-    value = (setting or "auto").strip().lower()
-    if value in ("0", "off", "false", "no"):
-        return False, f"{ENV_COMPOSE}={setting}"
-    if value in ("1", "on", "true", "yes"):
-        return True, f"{ENV_COMPOSE}={setting}"
-    if value != "auto":
-        raise ValueError(f"{ENV_COMPOSE}={setting!r}: use auto (compose while memory allows), 1 (always) or 0 (never)")
-    left = free_bytes - layer_bytes
-    if left >= COMPOSE_MIN_FREE_FRACTION * total_bytes:
-        return True, f"{left / 2**30:.1f} GiB of {total_bytes / 2**30:.1f} GiB stay free after its copy"
+def compose_setting(value: str | None) -> str:
+    """ENV_COMPOSE's value as "auto", "on" or "off"; ValueError naming the variable for anything else."""
+    v = (value or "auto").strip().lower()
+    if v in ("0", "off", "false", "no"):
+        return "off"
+    if v in ("1", "on", "true", "yes"):
+        return "on"
+    if v != "auto":
+        raise ValueError(f"{ENV_COMPOSE}={value!r}: use auto (compose while memory allows), 1 (always) or 0 (never)")
+    return "auto"
+
+
+def compose_decision(
+    setting: str | None, copy_bytes: int, used_bytes: int, free_bytes: int, total_bytes: int, utilization: float
+) -> tuple[bool, str]:
+    """(compose, why) for one layer: ENV_COMPOSE's value (compose_setting), the bytes of its second copy
+    (humming_copy_bytes), this process's device memory now, the device's free and total memory, and the
+    share vLLM may use (gpu_memory_utilization)."""
+    mode = compose_setting(setting)
+    if mode != "auto":
+        return mode == "on", f"{ENV_COMPOSE}={setting}"
+    gib = 2**30
+    cap = COMPOSE_MAX_BUDGET_SHARE * utilization * total_bytes
+    if copy_bytes <= free_bytes and used_bytes + copy_bytes <= cap:
+        return True, (f"this process's {(used_bytes + copy_bytes) / gib:.1f} GiB with it stay within half of vLLM's "
+                      f"{utilization * total_bytes / gib:.1f} GiB")  # fmt: skip
     return False, (
-        f"memory: after its copy {max(left, 0) / 2**30:.1f} GiB of {total_bytes / 2**30:.1f} GiB would stay free, "
-        f"less than {COMPOSE_MIN_FREE_FRACTION:.0%} ({ENV_COMPOSE}=1 composes anyway)"
+        f"memory: this process's {(used_bytes + copy_bytes) / gib:.1f} GiB with the copy would pass half of vLLM's "
+        f"{utilization * total_bytes / gib:.1f} GiB (gpu_memory_utilization {utilization:g}; {ENV_COMPOSE}=1 composes "
+        f"anyway)"
     )
 
 

@@ -36,8 +36,9 @@ def _act_order_rows_kernel(
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    if HAS_MAP:
-        expert = tl.load(map_ptr + expert).to(tl.int64)
+    if HAS_MAP:  # an id of -1 (no expert) never indexes the map
+        mapped = tl.load(map_ptr + tl.maximum(expert, 0)).to(tl.int64)
+        expert = tl.where(expert >= 0, mapped, 0)
     expert = tl.maximum(expert, 0)
     cols = tl.load(perm_ptr + expert * stride_pe + offs, mask=mask, other=0).to(tl.int64)
     vals = tl.load(a_ptr + (pair // TOP_K) * stride_am + cols, mask=mask, other=0.0)

@@ -243,3 +243,65 @@ def test_trivial_act_order_g_idx_under_tp_reads_only_this_ranks_groups(vllm_cpu,
     own = slice(rank * I // TP, (rank + 1) * I // TP)
     exact = fused_moe_ref(x, torch.cat([wg[:, own], wu[:, own]], 1), wd[:, :, own], w, ids).float()
     assert (out - exact).abs().max() / exact.abs().max() < 2**-6
+
+
+class _FakeHumming:
+    """Humming's place in the registry on CPU: prepare fails when told to; run marks its output with 7."""
+
+    name, sorted_act_order, description = "humming", False, "fake"
+
+    def __init__(self, fail: bool):
+        self.fail, self.prepared = fail, 0
+
+    def incompatibility_reason(self, problem):
+        return None
+
+    def prepare(self, problem, tensors):
+        if self.fail:
+            raise RuntimeError("nvrtc: compile failed")
+        self.prepared += 1
+        return "state"
+
+    def prepared_problem(self, problem, state):
+        return problem
+
+    def run(self, problem, state, x, topk_weights, topk_ids, *, expert_map=None, plan=None):
+        return torch.full((x.shape[0], problem.hidden), 7.0, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_composed_layer_hands_large_batches_to_humming_or_falls_back(vllm_cpu, monkeypatch, caplog, fail):
+    """The load-time wiring of auto + Humming (moe_method._compose, _build_runner) on CPU: the layer's own
+    backend stands in for the plugin's kernels, a fake for Humming, which the rule gives M >= 4. Memory
+    allows the copy; a Humming that cannot be prepared leaves the plugin's kernels at every M, with a warning."""
+    import logging
+
+    from vllm_wna16_plugin import launch_plan, moe_method
+    from vllm_wna16_plugin.backends import humming, registry
+
+    fake = _FakeHumming(fail)
+    monkeypatch.setattr(moe_method, "composable_with_humming", lambda selection: None)
+    monkeypatch.setattr(launch_plan, "registry", lambda: {**registry(), "humming": fake})
+    monkeypatch.setattr(launch_plan, "COMPOSABLE", (*launch_plan.COMPOSABLE, "reference"))
+    monkeypatch.setattr(humming, "humming_takes", lambda problem, m, device: m >= 4)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 139 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2**30)
+    q13, q2 = _random_experts(4, 32, True, seed=17)
+    layer = _build(vllm_cpu, RAW["gptq"](4, 32, True))
+    list(layer.load_weights(_weights("gptq", q13, q2)))
+    with caplog.at_level(logging.INFO):
+        layer.quant_method.process_weights_after_loading(layer)
+    small, large = _routing(seed=2, m=2), _routing(seed=3, m=6)
+    _assert_close(_forward(layer, *small), fused_moe_ref(small[0], packing.dequantize(q13), packing.dequantize(q2),
+                                                          *small[1:]), "M=2 on the plugin's kernels")  # fmt: skip
+    out = _forward(layer, *large)
+    text = caplog.text
+    if fail:
+        assert "Humming could not be prepared (RuntimeError: nvrtc: compile failed)" in text
+        ref = fused_moe_ref(large[0], packing.dequantize(q13), packing.dequantize(q2), *large[1:])
+        _assert_close(out, ref, "M=6 after the fallback")
+        assert not layer.quant_method.problem.options.compose_humming
+    else:
+        assert "second copy of its experts in Humming's layout" in text and fake.prepared == 1
+        assert bool((out == 7).all()), "M=6 did not run on Humming"
+        assert layer.quant_method.runner.plan(6).backend == "humming"

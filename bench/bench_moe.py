@@ -264,6 +264,8 @@ TRITON_FORMS = {
     "plugin-triton-tile": {"use_td": False, "pair_step_math": "tile", "dot_nibbles": "interleave"},
     "plugin-triton-split": {"use_td": False, "dot_nibbles": "split"},
     "plugin-triton-words": {"use_td": False, "dot_nibbles": "words"},
+    # act order's rows form (KernelOptions.triton_act_order): time it as plugin-triton-auto-rows-ao
+    "plugin-triton-auto-rows": {"triton_act_order": "rows"},
 }
 
 

@@ -97,8 +97,15 @@ def _triton_gemms(problem: MoEProblem, m: int, device: DeviceSpec, launch) -> tu
     requested = opts.use_td if opts.use_td is not None else td_request_from_env()
     bits = problem.scheme.bits
     rows = []
+    rows_form = problem.has_g_idx and opts.triton_act_order == "rows"  # act order gathered into pair rows first
     for gemm, choice, rows_a, k, perm in (
-        ("gate/up", launch.gemm1, m, problem.hidden, problem.has_g_idx),
+        (
+            "gate/up",
+            launch.gemm1,
+            m * problem.top_k if rows_form else m,
+            problem.hidden,
+            problem.has_g_idx and not rows_form,
+        ),
         ("down", launch.gemm2, m * problem.top_k, problem.intermediate, False),
     ):
         cfg = choice.config
@@ -112,6 +119,8 @@ def _triton_gemms(problem: MoEProblem, m: int, device: DeviceSpec, launch) -> tu
         else:
             kernel, form = "triton tl.dot", f"{dot_form(bits, cfg, k, on_words, td.use_td_b, opts.dot_nibbles)} dot"
         tds = "off" if not td.use_td_b else ("B + A-gather" if td.use_gather else "B")
+        if gemm == "gate/up" and problem.has_g_idx:
+            form += ", A gathered into pair rows first" if rows_form else ", A gathered in its loads (act order)"
         rows.append(GemmPlan(gemm, kernel, (cfg.BLOCK_SIZE_M, cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K), cfg.SPLIT_K,
                              cfg.num_warps, cfg.num_stages, form, tds, choice.source))  # fmt: skip
     return tuple(rows)

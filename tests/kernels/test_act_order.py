@@ -124,6 +124,27 @@ def test_sorted_act_order_matches_reference_on_original_g_idx(
     assert (plain.float() - ref.float()).abs().max() > 0.1 * ref.float().abs().max()
 
 
+@pytest.mark.parametrize(
+    "M,H,inter,E,top_k,bits,gs,zp,dtype,config,global_experts",
+    [CASES[0], CASES[2], CASES[3], CASES[7], CASES[8]],  # the pair kernel, EP, tails, tl.dot, split K
+)
+def test_the_rows_form_gathers_once_and_gives_the_same_layer(
+    M, H, inter, E, top_k, bits, gs, zp, dtype, config, global_experts
+):
+    """KernelOptions(triton_act_order="rows"): the routed pairs' rows gathered first (kernels/triton/act_order.py),
+    GEMM1 without a_perm: the float reference of the unsorted checkpoint, like the in-load gather."""
+    t, x, w, ids, emap = make_case(M=M, H=H, inter=inter, E=E, top_k=top_k, bits=bits, gs=gs, zp=zp, dtype=dtype,
+                                   seed=500 + M + H + gs, global_experts=global_experts)  # fmt: skip
+    out = run_sorted(t, x, w, ids, emap, bits, configs=config, use_td=False,
+                     options=KernelOptions(triton_act_order="rows"))  # fmt: skip
+    assert_close_scaled(out, reference(t, x, w, ids, emap, bits), dtype, "act order, rows form")
+
+
+def test_the_act_order_form_is_checked():
+    with pytest.raises(ValueError, match="triton_act_order='gather' is not one of"):
+        KernelOptions(triton_act_order="gather")
+
+
 @pytest.mark.parametrize("form", ["split", "interleave"])
 def test_other_int4_dot_forms_read_the_permuted_a(form):
     t, x, w, ids, emap = make_case(M=5, H=320, inter=96, E=4, top_k=2, bits=4, gs=32, zp=True, seed=11)

@@ -18,6 +18,7 @@ import torch
 PLATFORMS = ("cuda", "rocm", "xpu", "cpu", "interpreter")
 DOT_NIBBLE_FORMS = ("auto", "interleave", "split", "words")
 PAIR_STEP_FORMS = ("fold", "tile")
+TRITON_ACT_ORDER_FORMS = ("load", "rows")
 CUDA_KERNELS = ("auto", "mma", "gemv")
 H200_SMS = 132
 
@@ -148,6 +149,11 @@ class KernelOptions:
       moe_align_block_size: H200 2026-12-04-stream1, vLLM's took 9 us of DeepSeek-V2-Lite's layer at M=8.
     programmatic_launch: the CUDA layer's kernels are programmatic dependent launches on sm90+
       (csrc/grid_dependency.cuh): H200 2026-12-04-pdl3, 1-5 us faster per layer call at M 1-32.
+    triton_act_order: how the Triton layer's GEMM1 reads x in an act-order expert's K order: "load" (each A
+      load gathers through a_perm) or "rows" (one gather of the M * top_k rows first, kernels/triton/
+      act_order.py, then GEMM1 reads a row per pair, as the CUDA layer does). "load" cost the H200 +0-15% at
+      M=1 but +11-121% from M=16 against the same layer without act order (2026-12-05-c410069-ao); "rows"
+      is not yet timed, so "load" stays the default (bench_moe.py: plugin-triton-auto-rows-ao).
     """
 
     use_td: bool | None = None
@@ -162,6 +168,7 @@ class KernelOptions:
     cuda_min_warp_steps: int = 8
     own_align: bool = True
     programmatic_launch: bool = True
+    triton_act_order: str = "load"
 
     def __post_init__(self) -> None:
         if self.use_td not in (None, True, False):
@@ -170,6 +177,7 @@ class KernelOptions:
             ("dot_nibbles", self.dot_nibbles, DOT_NIBBLE_FORMS),
             ("pair_step_math", self.pair_step_math, PAIR_STEP_FORMS),
             ("cuda_kernel", self.cuda_kernel, CUDA_KERNELS),
+            ("triton_act_order", self.triton_act_order, TRITON_ACT_ORDER_FORMS),
         ):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")

@@ -874,8 +874,16 @@ def fused_moe_wna16_triton(
         dtype = x.dtype if cfg.SPLIT_K == 1 else torch.float32
         return torch.empty(split_k_buffer_shape(num_pairs, N, cfg), dtype=dtype, device=x.device)
 
-    h = gemm(x, w13_qweight, w13_scales, w13_qzeros, gemm_out(two_i, cfg1), cfg1, top_k,
-             apply_router_weight_on_input, alignments, a_perm)  # fmt: skip
+    if a_perm is not None and options.triton_act_order == "rows":
+        # act order, one gather of the routed pairs' rows first: GEMM1 reads row p for pair p, no perm
+        from vllm_wna16_plugin.kernels.triton.act_order import act_order_rows_triton
+
+        a1 = act_order_rows_triton(x, a_perm, topk_ids, expert_map)
+        h = gemm(a1, w13_qweight, w13_scales, w13_qzeros, gemm_out(two_i, cfg1), cfg1, 1,
+                 apply_router_weight_on_input, alignments)  # fmt: skip
+    else:
+        h = gemm(x, w13_qweight, w13_scales, w13_qzeros, gemm_out(two_i, cfg1), cfg1, top_k,
+                 apply_router_weight_on_input, alignments, a_perm)  # fmt: skip
     act = gated_activation_triton(h, activation, dtype=x.dtype)
     if top_k == 1 and cfg2.SPLIT_K == 1 and out.stride(1) == 1:
         # one pair per token: GEMM2's rows are the output rows

@@ -70,6 +70,15 @@ def make_weights(s: Shape, bits: int, gen: torch.Generator):
     return q13, q2
 
 
+def shape_weights(s: Shape, gen: torch.Generator):
+    """(kernel-layout w13, w2, their fp32 dequantized weights) of a shape's random experts; the reference
+    sees the bf16-rounded scales the kernels see."""
+    q13, q2 = make_weights(s, s.bits, gen)
+    kw13, kw2 = packing.to_kernel_layout(q13, torch.bfloat16), packing.to_kernel_layout(q2, torch.bfloat16)
+    q13.scales, q2.scales = kw13.scales.float(), kw2.scales.float()
+    return kw13, kw2, packing.dequantize(q13), packing.dequantize(q2)
+
+
 def weight_bytes_per_expert(s: Shape, bits: int, dense: bool) -> float:
     n = 3 * s.H * s.I
     if dense:
@@ -502,16 +511,14 @@ def main(argv=None) -> int:
     partial = Path(args.out) / f"{datetime.date.today()}-{git_commit()}{args.tag}.partial.csv"
     for s in shapes:
         try:
-            q13, q2 = make_weights(s, s.bits, gen)
+            kw13, kw2, d13, d2 = shape_weights(s, gen)
         except torch.cuda.OutOfMemoryError:  # a shape too large for the device: said, and the run goes on
-            print(f"{s.name}: skipped, its weights do not fit the device's memory", flush=True)
+            kw13 = None
+        if kw13 is None:  # outside the except: its traceback no longer holds the half-built tensors
+            print(f"{s.name}: skipped, its weights and fp32 reference do not fit the device's memory (e.g. "
+                  "DeepSeek-V3 at TP 1 on 139 GiB: time it at a larger --tp)", flush=True)  # fmt: skip
             torch.cuda.empty_cache()
             continue
-        kw13, kw2 = packing.to_kernel_layout(q13, torch.bfloat16), packing.to_kernel_layout(q2, torch.bfloat16)
-        # The reference sees the bf16-rounded scales the kernels see.
-        q13.scales, q2.scales = kw13.scales.float(), kw2.scales.float()
-        d13, d2 = packing.dequantize(q13), packing.dequantize(q2)
-        del q13, q2
         per_copy_int4 = s.E * weight_bytes_per_expert(s, s.bits, False)
         per_copy_bf16 = s.E * weight_bytes_per_expert(s, s.bits, True)
         copies = {}
@@ -599,7 +606,7 @@ def main(argv=None) -> int:
             )
             print(f"{s.name} M={m}: {line}", flush=True)
         copies.clear()
-        act_order = None
+        act_order = kw13 = kw2 = d13 = d2 = None  # freed before the next shape's weights are made
         torch.cuda.empty_cache()
         write_run_csv(rows, partial)
 

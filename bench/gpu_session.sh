@@ -8,6 +8,7 @@
 #   E2E_JOBS=8 bash bench/gpu_session.sh e2e               # 8 LLM(...) runs share the GPU at a time
 #   E2E_JOBS=12 bash bench/gpu_session.sh e2e-par          # the whole tier, two pytest processes side by side
 #   E2E_GEN_ARGS="-k 'desc-act'" E2E_REST_PATHS=tests/e2e/test_serve.py bash bench/gpu_session.sh e2e-par  # a subset
+#   E2E_PARTS="gen|12|tests/e2e/test_llm_generate.py|-k gptq;serve|1|tests/e2e/test_serve.py|" bash bench/gpu_session.sh e2e-par
 #   bash bench/gpu_session.sh probe inspect               # CUDA op refusals; vLLM's inspection subprocess
 #   VB=.vb34 bash bench/gpu_session.sh tests-par e2e-par   # on vLLM 0.34 (carry .vb34/part-1, .vb34/install.sh)
 #   bash bench/gpu_session.sh e2e-bench                   # bench/e2e.py (offline throughput)
@@ -107,18 +108,21 @@ for step in "$@"; do
                for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
                for f in "$OUT"/gpu_tests_*.log; do echo "== $(basename "$f")"; grep -E "FAILED|Error|passed|failed" "$f" | tail -12; done ;;
     # the whole tier in one call: test_llm_generate.py (its runs E2E_JOBS at a time) beside the other
-    # modules (serve, bad input, TP), two pytest processes, each with its own log and record
-    e2e-par) pids=()
-             for part in gen rest; do
-               if [ $part = gen ]; then paths=tests/e2e/test_llm_generate.py; jobs=${E2E_JOBS:-12}; sel=${E2E_GEN_ARGS:-${E2E_ARGS:-}}
-               else paths=${E2E_REST_PATHS:-"tests/e2e/test_bad_input.py tests/e2e/test_serve.py tests/e2e/test_tensor_parallel.py tests/e2e/test_gptq_asym_linear.py"}
-                    jobs=1; sel=${E2E_ARGS:-}; fi
-               ( export E2E_RECORD="$OUT/e2e-record-$part.jsonl" E2E_JOBS=$jobs
+    # modules (serve, bad input, TP, asymmetric linears, Humming composition), two pytest processes, each
+    # with its own log and record. E2E_PARTS="name|jobs|paths|selection;..." runs other parts side by side.
+    e2e-par) pids=(); parts=()
+             rest=${E2E_REST_PATHS:-"tests/e2e/test_bad_input.py tests/e2e/test_serve.py tests/e2e/test_tensor_parallel.py tests/e2e/test_gptq_asym_linear.py tests/e2e/test_humming_compose.py"}
+             if [ -n "${E2E_PARTS:-}" ]; then IFS=';' read -ra parts <<<"$E2E_PARTS"
+             else parts=("gen|${E2E_JOBS:-12}|tests/e2e/test_llm_generate.py|${E2E_GEN_ARGS:-${E2E_ARGS:-}}" "rest|1|$rest|${E2E_ARGS:-}"); fi
+             names=()
+             for part in "${parts[@]}"; do
+               IFS='|' read -r name jobs paths sel <<<"$part"; names+=("$name")
+               ( export E2E_RECORD="$OUT/e2e-record-$name.jsonl" E2E_JOBS=$jobs
                  eval "timeout ${E2E_TIMEOUT:-540} python3 -m pytest -q -m gpu $paths -p no:cacheprovider -rsx $sel" 2>&1 \
-                   | grep -v "^WARNING" >"$OUT/e2e-$part.log"; exit "${PIPESTATUS[0]}" ) & pids+=($!)
+                   | grep -v "^WARNING" >"$OUT/e2e-$name.log"; exit "${PIPESTATUS[0]}" ) & pids+=($!)
              done
              for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
-             for part in gen rest; do echo "== e2e-$part"; grep -E "^(FAILED|ERROR)| in [0-9.]+s" "$OUT/e2e-$part.log" | tail -15; done ;;
+             for name in "${names[@]}"; do echo "== e2e-$name"; grep -E "^(FAILED|ERROR)| in [0-9.]+s" "$OUT/e2e-$name.log" | tail -15; done ;;
     e2e-bench) timeout ${E2E_BENCH_TIMEOUT:-540} python3 bench/e2e.py --out "$OUT/res" ${E2E_BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/e2e-bench.log" | tail -30 ;;
     tune) timeout ${TUNE_TIMEOUT:-300} python3 bench/tune.py --out vllm_wna16_plugin/kernels/triton/configs ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune.log" | tail -30
           tar czf "$OUT/configs.tgz" -C vllm_wna16_plugin/kernels/triton configs ;;

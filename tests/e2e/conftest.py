@@ -111,12 +111,15 @@ def e2e_jobs() -> int:
 
 def _llm_spec(model: Path, *, backend: str | None = None, quantization: str | None = "moe_wna16_plus",
               eager: bool = False, tp: int = 1, moe_backend: str = "auto", prompts=None,
-              max_tokens: int = 16, dtype: str | None = None) -> tuple[str, dict, str | None]:  # fmt: skip
+              max_tokens: int = 16, dtype: str | None = None,
+              env: dict[str, str] | None = None) -> tuple[str, dict, str | None]:  # fmt: skip
     tag = f"{backend or moe_backend}-{quantization}-tp{tp}-{'eager' if eager else 'graphs'}"
     spec = dict(model=str(model), quantization=quantization, prompts=prompts or PROMPTS, eager=eager, tp=tp,
                 moe_backend=moe_backend, max_tokens=max_tokens)  # fmt: skip
     if dtype is not None:  # vLLM's --dtype; the checkpoint's own (bfloat16) when None
         tag, spec["dtype"] = f"{tag}-{dtype}", dtype
+    if env:  # variables the run sets before it imports vLLM
+        tag, spec["env"] = tag + "".join(f"-{k}={v}" for k, v in sorted(env.items())), dict(env)
     return tag, spec, backend
 
 
@@ -125,7 +128,8 @@ def _run_llm_now(model: Path, tmp_path: Path, timeout: int = 900, **kwargs) -> R
     spec_path, out_path = tmp_path / f"{tag}.spec.json", tmp_path / f"{tag}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, TRITON_INTERPRET="0")
-    env.pop("VLLM_WNA16_PLUS_BACKEND", None)
+    for name in ("VLLM_WNA16_PLUS_BACKEND", "VLLM_WNA16_PLUS_HUMMING"):  # a run's own choice, never the caller's
+        env.pop(name, None)
     if backend:
         env["VLLM_WNA16_PLUS_BACKEND"] = backend
     proc = subprocess.run([sys.executable, str(RUNNER), str(spec_path), str(out_path)], env=env,
@@ -167,7 +171,7 @@ def start_llm(model: Path, tmp_path: Path, **kwargs) -> None:
 def run_llm(model: Path, tmp_path: Path, **kwargs) -> Run:
     """LLM(model, quantization=...) greedy on `prompts` in a fresh process; backend sets VLLM_WNA16_PLUS_BACKEND.
 
-    Keywords: backend, quantization, eager, tp, moe_backend, prompts, max_tokens, dtype, timeout. A run
+    Keywords: backend, quantization, eager, tp, moe_backend, prompts, max_tokens, dtype, env, timeout. A run
     started earlier by start_llm with the same arguments is waited for instead of run again."""
     started = _STARTED.get(_key(model, **kwargs))
     return started.result() if started is not None else _run_llm_now(model, tmp_path, **kwargs)

@@ -3,7 +3,8 @@
     python tests/e2e/llm_runner.py SPEC_JSON OUT_JSON
 
 SPEC: {"model": path, "quantization": "moe_wna16_plus" | "moe_wna16" | ..., "prompts": [...],
-       "max_tokens": 16, "eager": false, "moe_backend": "auto", "tp": 1, "logprobs": 5, "dtype": "auto"}
+       "max_tokens": 16, "eager": false, "moe_backend": "auto", "tp": 1, "logprobs": 5, "dtype": "auto",
+       "env": {name: value, set before vLLM is imported}}
 The plugin backend, if any, comes from VLLM_WNA16_PLUS_BACKEND in the environment.
 OUT: {"ok": true, "tokens": [[...]], "text": [...], "first_logprobs": [{token: logprob}],
      "step_logprobs": [[{token: logprob} per step] per prompt], "seconds": s}
@@ -68,6 +69,7 @@ def make_llm(spec: dict):
 
 def main() -> int:
     spec = json.loads(open(sys.argv[1]).read())
+    os.environ.update(spec.get("env", {}))
     if spec.get("tp", 1) == 1:  # the engine in this process: one process fewer to start per run
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     out_path = sys.argv[2]

@@ -1,0 +1,51 @@
+"""auto composed with Humming end to end (GPU only; sm90 with humming-kernels, i.e. vLLM 0.34's bundle).
+
+The checkpoint's experts are large enough (16 experts of 2048 x 1024, top_k 4: about 3 MB each) that the
+Humming rule (backends/humming.py) takes the prefill and the 3-sequence decode batches (> 20 MB of experts
+read) while a 1-token batch stays on the plugin's kernels. With CUDA graphs, the composed layer must
+generate like the float32 reference backend, log that it composed, and VLLM_WNA16_PLUS_HUMMING=0 must
+keep it to one copy (the plugin's kernels alone), generating alike too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.e2e.conftest import assert_generates_like, requires_gpu, run_llm
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+COMPOSED = "run on Humming (vLLM's default here); the layer keeps a second copy"
+NOT_COMPOSED = "not composed with Humming (VLLM_WNA16_PLUS_HUMMING=0)"
+
+
+def _humming_missing() -> str | None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return "the Humming rule speaks for sm90 only"
+    from vllm_wna16_plugin.backends.humming import humming_api_error
+
+    return humming_api_error()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    if why := _humming_missing():
+        pytest.skip(why)
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    root = tmp_path_factory.mktemp("compose")
+    return make_checkpoint(root / "gptq-e16-h2048", fmt="gptq", bits=4, group_size=128, hidden=2048,
+                           intermediate=1024, experts=16, top_k=4, layers=2)  # fmt: skip
+
+
+def test_auto_composed_with_humming_generates_like_the_reference(checkpoint, tmp_path_factory):
+    ref = run_llm(checkpoint, tmp_path_factory.mktemp("ref"), backend="reference", eager=True)
+    ref.require_ok("reference")
+    composed = run_llm(checkpoint, tmp_path_factory.mktemp("auto")).require_ok("auto, composed")
+    assert COMPOSED in composed.log, composed.log[-3000:]
+    assert_generates_like(composed, ref, "auto composed with Humming")
+    alone = run_llm(checkpoint, tmp_path_factory.mktemp("alone"), env={"VLLM_WNA16_PLUS_HUMMING": "0"})
+    alone.require_ok("auto, VLLM_WNA16_PLUS_HUMMING=0")
+    assert NOT_COMPOSED in alone.log and COMPOSED not in alone.log, alone.log[-3000:]
+    assert_generates_like(alone, ref, "auto without Humming")

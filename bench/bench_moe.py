@@ -107,6 +107,32 @@ def measure_copy_bandwidth() -> float:
     return 2 * (1 << 30) / statistics.median(times)
 
 
+def measure_matmul_rate(n: int = 8192) -> float:
+    """bf16 (n x n) @ (n x n) on the tensor cores, FLOP/s (median of 10): the prefill ceiling '%mm' reads
+    against (issue 23: the fraction of bf16 tensor-core peak a layer call reaches at prefill)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        a @ b
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    return 2 * n**3 / statistics.median(times)
+
+
+def layer_flops(s, m: int) -> float:
+    """Multiply-add FLOPs of one layer call of m tokens: each of the m * top_k routed pairs runs GEMM1
+    (2I x H) and GEMM2 (H x I), 2 FLOPs per weight: 6 * m * top_k * H * I."""
+    return 6.0 * m * s.top_k * s.H * s.I
+
+
 # Cycles of a sleep kernel queued ahead of each timed graph replay (about 50 µs on an H200), so that the
 # GPU is still busy while the host submits the graph: the replay's start event then runs right before the
 # graph's first kernel, and the time is the graph's alone. Without it, a graph of one layer call (Mixtral,
@@ -275,6 +301,9 @@ TRITON_FORMS = {
     "plugin-triton-words": {"use_td": False, "dot_nibbles": "words"},
     # act order's rows form (KernelOptions.triton_act_order): time it as plugin-triton-auto-rows-ao
     "plugin-triton-auto-rows": {"triton_act_order": "rows"},
+    # the swapped tl.dot tile (KernelOptions.swap_ab: C.T = dequant(B) @ A.T, wgmma's M from the weights)
+    # on every tile config of 16+ rows auto would run
+    "plugin-triton-swap": {"swap_ab": True},
 }
 
 
@@ -488,6 +517,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()
     bw = measure_copy_bandwidth()
+    mm_rate = measure_matmul_rate()
     ms = args.m
     providers = args.providers.split(",")
     vllm = VllmPaths()
@@ -497,10 +527,12 @@ def main(argv=None) -> int:
     header = (
         f"# WNA16 MoE layer benchmark\n\n{datetime.date.today()} · {dev} · torch {torch.__version__} · "
         f"triton {triton.__version__} · vLLM {vllm_pkg.__version__} · commit {git_commit()}{args.tag}\n\n"
-        f"Measured device copy bandwidth: {bw / 1e12:.2f} TB/s (read+write). CUDA-graph replay of R calls over "
+        f"Measured device copy bandwidth: {bw / 1e12:.2f} TB/s (read+write); bf16 matmul (8192³): "
+        f"{mm_rate / 1e12:.0f} TFLOP/s. CUDA-graph replay of R calls over "
         f"R rotating weight copies (L2-cold), median of {args.reps} replays, µs per layer call"
         f"{', host launch included' if args.launch_gap else ' (GPU kept busy while the host launches the graph)'}. "
-        f"'%bw' = weight bytes of the experts hit / time / copy bandwidth. int4 (unless a shape says otherwise), "
+        f"'%bw' = weight bytes of the experts hit / time / copy bandwidth; '%mm' = the layer's 6·M·top_k·H·I "
+        f"FLOPs / time / the bf16 matmul rate. int4 (unless a shape says otherwise), "
         f"bf16 activations.\n"
         + "".join(f"\n- {s.describe()}; from {s.note}" for s in shapes if s.note)
         + ("\n" if any(s.note for s in shapes) else "")
@@ -610,7 +642,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         write_run_csv(rows, partial)
 
-    table = render(rows, providers)
+    flops = {(s.name, m): layer_flops(s, m) for s in shapes for m in ms}
+    table = render(rows, providers, flops, mm_rate)
     stamp = f"{datetime.date.today()}-{git_commit()}{args.tag}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -752,8 +785,9 @@ def plot(rows, providers, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def render(rows, providers) -> str:
-    """Markdown: one row per (shape, M), µs per provider, and the plugin's best vs each peer."""
+def render(rows, providers, flops: dict | None = None, mm_rate: float | None = None) -> str:
+    """Markdown: one row per (shape, M), µs per provider, and the plugin's best vs each peer. With flops
+    ({(shape, M): layer_flops}) and mm_rate (FLOP/s), also '%mm': the share of that rate the ratio's basis reached."""
     by = {}
     for shape, m, prov, r in rows:
         by.setdefault((shape, m), {})[prov] = r
@@ -762,7 +796,9 @@ def render(rows, providers) -> str:
     # the ratios are of what a user gets (plugin-auto) when it ran, else of the plugin's best provider
     basis = "plugin-auto" if "plugin-auto" in providers else None
     ratio_name = "auto" if basis else "best"
-    head = ["shape", "M", *providers, "best plugin", f"%bw ({ratio_name})", *[f"× vs {p}" for p in peers]]
+    mm = bool(flops) and bool(mm_rate)
+    head = ["shape", "M", *providers, "best plugin", f"%bw ({ratio_name})", *([f"%mm ({ratio_name})"] if mm else []),
+            *[f"× vs {p}" for p in peers]]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (shape, m), res in by.items():
         cells = [shape, str(m)]
@@ -774,11 +810,14 @@ def render(rows, providers) -> str:
             best = min(timed, key=lambda p: timed[p][0])
             ref = timed.get(basis) if basis else timed[best]
             cells += [best.removeprefix("plugin-"), f"{100 * ref[3]:.0f}%" if ref else "-"]
+            if mm:
+                f = flops.get((shape, m))
+                cells.append(f"{100 * f / (ref[0] * 1e-6) / mm_rate:.0f}%" if ref and f else "-")
             for p in peers:
                 r = res.get(p)
                 cells.append(f"{r[0] / ref[0]:.2f}" if ref and r and isinstance(r[0], float) else "-")
         else:
-            cells += ["-", "-"] + ["-"] * len(peers)
+            cells += ["-", "-"] + ["-"] * (len(peers) + mm)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

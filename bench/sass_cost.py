@@ -44,18 +44,19 @@ kernel = fused_moe._fused_moe_wna16_pair_kernel if pair else fused_moe._fused_mo
 K, N, gs = 4096, 28672, 128  # Mixtral-8x7B GEMM1
 ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8", topk_weights_ptr="*fp32",
             sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
-            topk_ids_ptr="*i32", expert_map_ptr="*i32")
+            topk_ids_ptr="*i32", expert_map_ptr="*i32", a_perm_ptr="*i32")
 consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, group_size=gs, NUM_GROUPS=K // gs,
               GROUPS=max(1, bk // gs), top_k=2, BITS=bits, HAS_ZP=False, MUL_ROUTED_WEIGHT=False, EVEN_K=True,
               USE_TD=False, USE_TD_GATHER=False, SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
               compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk,
               GROUP_SIZE_M=1, FOLD_SCALES=bool(fold), REDUCE_EACH_STEP=bool(fold) or bk > fused_moe.PAIR_ACC_MAX_K,
-              SPLIT_NIBBLES=fold == 1, WORD_NIBBLES=fold == 2)  # `fold`: the form (tl.dot: 1 split, 2 words)
+              SPLIT_NIBBLES=fold in (1, 4), WORD_NIBBLES=fold == 2, SWAP_AB=fold in (3, 4), HAS_A_PERM=False)
+# `fold`: the form (per pair: 1 folded; tl.dot: 1 split, 2 words, 3 interleaved swapped, 4 split swapped)
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 sig, attrs = {}, {}
 for i, name in enumerate(kernel.arg_names):
     sig[name] = ptrs.get(name, "constexpr" if name in consts else ("i64" if name.startswith("stride") else "i32"))
-    if name in ptrs or name.startswith("stride_"):
+    if (name in ptrs or name.startswith("stride_")) and name not in consts:
         attrs[(i,)] = [["tt.divisibility", 16]]
 k = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
                    target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=4))
@@ -91,8 +92,8 @@ def disassemble(cubin: str) -> str:
 
 def triton_rows(tmp: str) -> list[str]:
     rows = []
-    # (label, bits, per pair, form (per pair: 1 folded; tl.dot: 1 split nibbles, 2 word nibbles),
-    # BLOCK_M, BLOCK_N, BLOCK_K, warps)
+    # (label, bits, per pair, form (per pair: 1 folded; tl.dot: 1 split nibbles, 2 word nibbles, 3 interleaved
+    # and swapped, 4 split and swapped: TritonMoEConfig.swap_ab), BLOCK_M, BLOCK_N, BLOCK_K, warps)
     for label, *cfg in [
         ("per-pair tile 1x64x256", 4, 1, 0, 1, 64, 256, 4),
         ("per-pair folded 1x64x256", 4, 1, 1, 1, 64, 256, 4),
@@ -106,6 +107,15 @@ def triton_rows(tmp: str) -> list[str]:
         ("tl.dot word nibbles 16x64x128", 4, 0, 2, 16, 64, 128, 4),
         ("tl.dot split nibbles 16x128x128", 4, 0, 1, 16, 128, 128, 4),
         ("tl.dot word nibbles 16x128x128", 4, 0, 2, 16, 128, 128, 4),
+        # the swapped tile: wgmma (HGMMA) where Triton takes the dequantized weights as a register operand
+        ("tl.dot interleaved 16x128x128", 4, 0, 0, 16, 128, 128, 4),
+        ("tl.dot swapped interleaved 16x128x128", 4, 0, 3, 16, 128, 128, 4),
+        ("tl.dot swapped split 16x128x128", 4, 0, 4, 16, 128, 128, 4),
+        ("tl.dot swapped interleaved 16x64x128", 4, 0, 3, 16, 64, 128, 4),
+        ("tl.dot swapped interleaved 32x128x64", 4, 0, 3, 32, 128, 64, 4),
+        ("tl.dot interleaved 64x128x64 (8 warps)", 4, 0, 0, 64, 128, 64, 8),
+        ("tl.dot swapped interleaved 64x128x64 (8 warps)", 4, 0, 3, 64, 128, 64, 8),
+        ("tl.dot swapped interleaved 16x128x128 int8", 8, 0, 3, 16, 128, 128, 4),
     ]:
         bits, pair, fold, bm, bn, bk, warps = cfg
         out = os.path.join(tmp, f"{label.replace(' ', '_')}.cubin")
@@ -113,12 +123,14 @@ def triton_rows(tmp: str) -> list[str]:
         args = [sys.executable, "-c", _COMPILE, *map(str, cfg), out]
         res = subprocess.run(args, capture_output=True, text=True, env=env)
         if res.returncode:
-            rows.append(f"| Triton {label} | compile failed: {res.stderr.strip().splitlines()[-1]} | | |")
+            rows.append(f"| Triton {label} | compile failed: {res.stderr.strip().splitlines()[-1]} | | | |")
             continue
         _, n, ops = max(loops(disassemble(out)), key=lambda f: f[1])
         per_lane = bn * bk / (32 * warps)  # weights one lane handles per K step (M rows share them)
+        mma = ", ".join(f"{o} {ops[o]}" for o in ("HGMMA", "HMMA") if ops[o]) or "none"
         rows.append(
-            f"| Triton {label} | {n} | {n / per_lane:.2f} | {', '.join(f'{o} {c}' for o, c in ops.most_common(6))} |"
+            f"| Triton {label} | {n} | {n / per_lane:.2f} | {mma} | "
+            f"{', '.join(f'{o} {c}' for o, c in ops.most_common(6))} |"
         )
     return rows
 
@@ -139,7 +151,8 @@ def cuda_rows(so: str, tmp: str) -> list[str]:
             per_lane = ops["HMMA"] * 8 / (int(m.group(2)) if m else 1)
             label = f"mma int{m.group(1)}, {8 * int(m.group(2))} token columns" if m else name[:40]
             rows.append(
-                f"| CUDA {label} | {n} | {n / per_lane:.2f} | {', '.join(f'{o} {c}' for o, c in ops.most_common(6))} |"
+                f"| CUDA {label} | {n} | {n / per_lane:.2f} | HMMA {ops['HMMA']} | "
+                f"{', '.join(f'{o} {c}' for o, c in ops.most_common(6))} |"
             )
     return rows
 
@@ -148,7 +161,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cuda", help="the built extension (.so) whose mma kernel to count as well")
     args = ap.parse_args()
-    print("| kernel (sm90) | loop instructions | per weight and lane | top opcodes |\n|---|---|---|---|")
+    print(
+        "| kernel (sm90) | loop instructions | per weight and lane | tensor-core ops | top opcodes |\n|---|---|---|---|---|"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         rows = triton_rows(tmp) + (cuda_rows(args.cuda, tmp) if args.cuda else [])
     print("\n".join(rows))

@@ -41,6 +41,22 @@ def test_without_plugin_auto_the_ratios_are_of_the_best_plugin_provider(bench):
     assert line == "| s | 8 | 100.0 | 50.0 | 80.0 | crash | cuda | 60% | 1.60 | - |", line
 
 
+def test_mm_column_is_the_share_of_the_matmul_rate(bench):
+    """%mm: the layer's 6*M*top_k*H*I FLOPs over auto's time, against the measured bf16 matmul rate."""
+
+    class S:
+        top_k, H, I = 8, 2048, 768  # noqa: E741
+
+    flops = bench.layer_flops(S, 4096)
+    assert flops == 6 * 4096 * 8 * 2048 * 768
+    rows = [_row("s", 4096, "plugin-auto", 1000.0), _row("s", 4096, "vllm-marlin", 1500.0)]
+    rate = flops / 1000e-6 / 0.4  # auto reached 40% of it
+    head, _, line = bench.render(rows, ["plugin-auto", "vllm-marlin"], {("s", 4096): flops}, rate).splitlines()
+    assert "%mm (auto)" in head
+    assert line == "| s | 4096 | 1000.0 | 1500.0 | auto | 50% | 40% | 1.50 |", line
+    assert "%mm" not in bench.render(rows, ["plugin-auto", "vllm-marlin"]).splitlines()[0]
+
+
 def test_the_alt_provider_reads_its_own_config_dir_and_no_other_provider_does(bench, tmp_path, monkeypatch):
     import json
 

@@ -71,9 +71,16 @@ def test_stage_b_times_the_split_form_and_register_caps_on_dot_tiles_only(tune):
     assert any(c.nibbles == "split" and c.maxnreg is None for c in got)
     assert not any(c.nibbles for c in tune.stage_b(dot, 16, 128, 1536, 2048, 8, td_ok=False, bits=8))  # int8
     per_pair = TritonMoEConfig(1, 64, 256, num_warps=4, num_stages=4)
-    assert not any(c.nibbles or c.maxnreg for c in tune.stage_b(per_pair, 1, 128, 1536, 2048, 8, td_ok=False))
+    assert not any(
+        c.nibbles or c.maxnreg or c.swap_ab for c in tune.stage_b(per_pair, 1, 128, 1536, 2048, 8, td_ok=False)
+    )
+    # the swapped tile where wgmma can take it: 16-64 token rows, >= 64 weight rows
+    assert any(c.swap_ab for c in got)
+    narrow = TritonMoEConfig(16, 32, 128, num_warps=4, num_stages=4)
+    assert not any(c.swap_ab for c in tune.stage_b(narrow, 16, 128, 1536, 2048, 8, td_ok=False))
     # a tuned entry round-trips through its JSON, the optional fields only when set
     for cfg in got:
         entry = cfg.to_dict()
         assert TritonMoEConfig(**entry) == cfg
         assert ("maxnreg" in entry) == (cfg.maxnreg is not None)
+        assert ("swap_ab" in entry) == cfg.swap_ab

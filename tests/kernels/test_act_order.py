@@ -145,12 +145,12 @@ def test_the_act_order_form_is_checked():
         KernelOptions(triton_act_order="gather")
 
 
-@pytest.mark.parametrize("form", ["split", "interleave"])
+@pytest.mark.parametrize("form", ["split", "interleave", "swap"])
 def test_other_int4_dot_forms_read_the_permuted_a(form):
+    """The split and interleaved dots, and the swapped tile (KernelOptions.swap_ab: its A operand is the B tile)."""
     t, x, w, ids, emap = make_case(M=5, H=320, inter=96, E=4, top_k=2, bits=4, gs=32, zp=True, seed=11)
-    out = run_sorted(
-        t, x, w, ids, emap, 4, configs=Cfg(16, 32, 64), use_td=False, options=KernelOptions(dot_nibbles=form)
-    )
+    options = KernelOptions(swap_ab=True) if form == "swap" else KernelOptions(dot_nibbles=form)
+    out = run_sorted(t, x, w, ids, emap, 4, configs=Cfg(16, 32, 64), use_td=False, options=options)
     assert_close_scaled(out, reference(t, x, w, ids, emap, 4), BF16, form)
 
 

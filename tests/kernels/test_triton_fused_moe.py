@@ -555,6 +555,121 @@ def test_dot_form_policy(nibbles, bits, cfg, td, want):
     assert configs.dot_form(bits, cfg, 256, True, td.use_td_b, nibbles) == want
 
 
+# The swapped tile (TritonMoEConfig.swap_ab, KernelOptions.swap_ab): C.T = dequant(B) @ A.T, transposed back
+# before the routed weight and the store. (M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, options)
+SWAP = KernelOptions(swap_ab=True)
+SWAP_CASES = [
+    # forced by the options on an unswapped config; BLOCK_K 128: "auto" asks for words, a swapped tile runs split
+    pytest.param(5, 256, 64, 4, 2, 4, 64, 64, True, BF16, Cfg(16, 64, 128), SWAP, id="int4-asym-gs64-options"),
+    # K=1344 at gs32 (a 64-wide K tail on GEMM1), the interleaved form
+    pytest.param(
+        3,
+        1344,
+        32,
+        4,
+        2,
+        4,
+        32,
+        32,
+        True,
+        BF16,
+        Cfg(16, 32, 128),
+        KernelOptions(swap_ab=True, dot_nibbles="interleave"),
+        id="int4-asym-gs32-K1344-tail-interleave",
+    ),  # fmt: skip
+    # the config's own opinion; int8 channel-wise with zero points, GEMM2's K tail (I=96), fp16
+    pytest.param(
+        4,
+        128,
+        96,
+        4,
+        2,
+        8,
+        -1,
+        -1,
+        True,
+        FP16,
+        Cfg(16, 32, 64, swap_ab=True),
+        KernelOptions(),
+        id="int8-asym-channelwise-K96-fp16-config",
+    ),  # fmt: skip
+    # 32 and 64 token rows (the MMA's N), N tails: GEMM1 N=352 under BLOCK_N 64, 8 warps
+    pytest.param(
+        40, 96, 176, 2, 2, 4, 32, 16, False, FP16, Cfg(32, 64, 32, GROUP_SIZE_M=8), SWAP, id="int4-sym-BM32-N352-fp16"
+    ),  # fmt: skip
+    pytest.param(
+        70,
+        64,
+        128,
+        2,
+        2,
+        4,
+        32,
+        32,
+        True,
+        BF16,
+        Cfg(64, 128, 64, GROUP_SIZE_M=8, num_warps=8),
+        SWAP,
+        id="int4-asym-BM64-BN128-w8",
+    ),  # fmt: skip
+    # split K: each slice's float32 partial transposed back
+    pytest.param(5, 256, 64, 4, 2, 4, 64, 32, False, BF16, Cfg(16, 64, 64, SPLIT_K=2), SWAP, id="int4-splitk2"),
+    # top_k=1 (GEMM2 writes the output rows directly)
+    pytest.param(6, 256, 64, 4, 1, 4, 128, 32, False, BF16, Cfg(16, 32, 64), SWAP, id="int4-topk1"),
+]
+
+
+@pytest.mark.parametrize("M,H,inter,E,top_k,bits,gs1,gs2,zp,dtype,config,options", SWAP_CASES)
+def test_swapped_tile_matches_reference(M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, options):
+    p = make_moe_problem(M=M, H=H, inter=inter, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype,
+                         seed=300 + M + H)  # fmt: skip
+    assert configs.swap_form(config, options).swap_ab
+    out, ref = run_both(p, use_td=False, configs=config, options=options)
+    assert_close_scaled(out, ref, dtype, "swapped tile")
+
+
+def test_swapped_tile_on_the_td_path_with_a_gather(td_decisions):
+    p = make_moe_problem(M=9, H=128, inter=64, E=4, top_k=2, bits=4, gs1=32, gs2=32, zp=True, seed=31)
+    out, ref = run_both(p, use_td=True, configs=Cfg(16, 64, 64), options=SWAP)
+    assert_close_scaled(out, ref, BF16, "swapped tile, TD")
+    assert any(d.use_td_b and d.use_gather for d in td_decisions)
+
+
+def test_swapped_tile_is_a_transpose_not_another_product():
+    """One GEMM of one expert, checked element by element against dequant(B) @ A.T's transpose: a swap
+    that dropped the final transpose would write C.T into C (the shapes here are not square)."""
+    p = make_moe_problem(M=3, H=64, inter=48, E=1, top_k=1, bits=4, gs1=32, gs2=16, seed=41)
+    sorted_ids, expert_ids, npp = moe_align_block_size_torch(p.topk_ids, 16, 1)
+    c = torch.full((3, 96), float("nan"), dtype=BF16)
+    invoke_wna16_gemm(p.x, p.w13.qweight, p.w13.scales, None, c, None, sorted_ids, expert_ids, npp, bits=4, top_k=1,
+                      mul_routed_weight=False, config=Cfg(16, 32, 64, swap_ab=True), td=POINTERS)  # fmt: skip
+    w = dequantize_ref(p.w13.qweight, p.w13.scales, None, 4)[0]  # (96, 64)
+    assert_close_scaled(c, (p.x.float() @ w.float().T).to(BF16), BF16, "one expert's GEMM1, swapped")
+
+
+def test_swap_policy():
+    swap = configs.swap_form
+    assert swap(Cfg(16, 64, 128), KernelOptions()) == Cfg(16, 64, 128)  # the config's own opinion: not swapped
+    assert swap(Cfg(16, 64, 128, swap_ab=True), KernelOptions()).swap_ab
+    assert not swap(Cfg(16, 64, 128, swap_ab=True), KernelOptions(swap_ab=False)).swap_ab
+    assert swap(Cfg(32, 64, 64), SWAP).swap_ab
+    assert not swap(Cfg(1, 64, 128), SWAP).swap_ab  # per pair: no tl.dot
+    assert not swap(Cfg(8, 32, 64), SWAP).swap_ab  # 8 token rows: below the dot's 16
+    with pytest.raises(ValueError, match="swap_ab=True needs BLOCK_SIZE_M >= 16"):
+        Cfg(8, 32, 64, swap_ab=True)
+    with pytest.raises(ValueError, match="swap_ab=1 must be True or False"):
+        Cfg(16, 32, 64, swap_ab=1)
+    with pytest.raises(ValueError, match="swap_ab='yes' must be None, True or False"):
+        KernelOptions(swap_ab="yes")
+    # a swapped tile never takes the words form (its eight dots accumulate C, not C.T)
+    assert configs.dot_form(4, Cfg(16, 64, 256, swap_ab=True), 256, True, False, "auto") == "split"
+    assert configs.dot_form(4, Cfg(16, 64, 256, swap_ab=True), 256, True, False, "words") == "split"
+    # the JSON entry names it only when set, and reads back
+    assert "swap_ab" not in Cfg(16, 64, 128).to_dict()
+    entry = Cfg(16, 64, 128, swap_ab=True).to_dict()
+    assert entry["swap_ab"] is True and Cfg(**entry) == Cfg(16, 64, 128, swap_ab=True)
+
+
 def test_pair_step_policy():
     assert configs.pair_step(4, True, "fold") == "fold"
     assert configs.pair_step(4, False, "fold") == "tile"  # the folded step reads int4 rows as words
@@ -811,7 +926,8 @@ consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, grou
               compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk,
               GROUP_SIZE_M=1, FOLD_SCALES=fold, REDUCE_EACH_STEP=fold or bk > fused_moe.PAIR_ACC_MAX_K,
               SPLIT_NIBBLES=form == 1, WORD_NIBBLES=form == 2,
-              HAS_A_PERM=os.environ.get("AOT_A_PERM") == "1")  # act order: A's columns through a_perm
+              HAS_A_PERM=os.environ.get("AOT_A_PERM") == "1",  # act order: A's columns through a_perm
+              SWAP_AB=os.environ.get("AOT_SWAP") == "1")  # the swapped tile (TritonMoEConfig.swap_ab)
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 divisible = ("stride_am", "stride_be", "stride_bn", "stride_cm", "stride_cs", "stride_se", "stride_ze", "stride_zn")
 sig, attrs = {}, {}
@@ -831,6 +947,8 @@ if len(sys.argv) > 11:  # local-memory stores and loads (register spills) in the
         sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
     tags.append("LOCAL=%d" % len(re.findall(r"\b(?:STL|LDL)\b", sass)))
 if "cp.async.bulk.tensor" in ptx: tags.append("TMA")
+if "wgmma.mma_async" in ptx: tags.append("WGMMA")  # sm90's warpgroup MMA
+if re.search(r"\bmma[.]sync", ptx): tags.append("MMASYNC")
 if "gather4" in ptx: tags.append("GATHER4")
 if re.search(r"cp[.]async[.]cg[.]shared[.]global[^;]*, 0x10", ptx): tags.append("CPASYNC16")
 if "ld.global.v4" in ptx or "CPASYNC16" in tags: tags.append("LDV4")  # 16-byte B loads, direct or async
@@ -843,15 +961,16 @@ print(*tags)
 """
 
 
-def _compile_for_gpu(*args, a_perm: bool = False) -> set[str]:
+def _compile_for_gpu(*args, a_perm: bool = False, swap: bool = False) -> set[str]:
     """Run _AOT_SCRIPT (sm, bits, td, gather, even_k, pair[, block_k]) and return the PTX's tags;
-    a_perm: the act-order variant (HAS_A_PERM)."""
+    a_perm: the act-order variant (HAS_A_PERM); swap: the swapped tile (SWAP_AB)."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(fused_moe.__file__).parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root), "AOT_A_PERM": "1" if a_perm else "0"}
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root), "AOT_A_PERM": "1" if a_perm else "0",
+           "AOT_SWAP": "1" if swap else "0"}  # fmt: skip
     res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, *map(str, args)], capture_output=True, text=True,
                          env=env, timeout=300)  # fmt: skip
     if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr:
@@ -894,6 +1013,26 @@ def test_wide_k_per_pair_kernel_compiles_for_sm90(even_k):
     tags = _compile_for_gpu(90, 4, 0, 0, even_k, 1, 1024, 0)
     assert "LDV4" in tags, tags
     assert int(next(t for t in tags if t.startswith("B16LOADS=")).split("=")[1]) <= 64, tags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "bm,bn,form",
+    [
+        pytest.param(16, 128, 0, id="16x128-interleave"),
+        pytest.param(16, 128, 1, id="16x128-split"),
+        pytest.param(32, 64, 0, id="32x64-interleave"),
+    ],
+)
+def test_swapped_tile_runs_on_wgmma_where_the_plain_tile_cannot(bm, bn, form):
+    """The point of TritonMoEConfig.swap_ab: with 16-32 token rows the plain tile (tokens as the MMA's M)
+    compiles to mma.sync, the swapped one (weights as M, dequantized in registers) to sm90's wgmma; both
+    keep the 16-byte async B loads. K=1344 (a tail) as well as K=2048."""
+    for even_k in (1, 0):
+        plain = _compile_for_gpu(90, 4, 0, 0, even_k, 0, 128, form, bm, bn, 4)
+        swapped = _compile_for_gpu(90, 4, 0, 0, even_k, 0, 128, form, bm, bn, 4, swap=True)
+        assert "MMASYNC" in plain and "WGMMA" not in plain, plain
+        assert "WGMMA" in swapped and "CPASYNC16" in swapped, swapped
 
 
 @pytest.mark.slow

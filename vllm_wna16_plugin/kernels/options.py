@@ -154,6 +154,12 @@ class KernelOptions:
       act_order.py, then GEMM1 reads a row per pair, as the CUDA layer does). "load" cost the H200 +0-15% at
       M=1 but +11-121% from M=16 against the same layer without act order (2026-12-05-c410069-ao); "rows"
       is not yet timed, so "load" stays the default (bench_moe.py: plugin-triton-auto-rows-ao).
+    swap_ab: the Triton tl.dot tile as C.T = dequant(B) @ A.T (configs.swap_form, fused_moe._tile_dot):
+      None = each config's own swap_ab (a tuner's measured opinion; False in every shipped table), True =
+      every tile of BLOCK_SIZE_M >= 16, False = none. The swapped form is for sm90's wgmma, which needs
+      64 rows of the M operand but takes 8-256 of N: 16-64 routed tokens per expert fit N, the weight
+      tile's 64-128 rows fit M. Not yet timed on a GPU (bench_moe.py: plugin-triton-swap; the tuners'
+      stage B times it), so no default swaps.
     """
 
     use_td: bool | None = None
@@ -169,10 +175,12 @@ class KernelOptions:
     own_align: bool = True
     programmatic_launch: bool = True
     triton_act_order: str = "load"
+    swap_ab: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.use_td not in (None, True, False):
-            raise ValueError(f"use_td={self.use_td!r} must be None, True or False")
+        for name, value in (("use_td", self.use_td), ("swap_ab", self.swap_ab)):
+            if value not in (None, True, False):
+                raise ValueError(f"{name}={value!r} must be None, True or False")
         for name, value, allowed in (
             ("dot_nibbles", self.dot_nibbles, DOT_NIBBLE_FORMS),
             ("pair_step_math", self.pair_step_math, PAIR_STEP_FORMS),

@@ -6,7 +6,7 @@
         {64, 128, 256} legal for the group (per pair also 512 and 1024: wide_block_k)
     stage_b(base, M, E, N, K, top_k, td_ok, bits)   around one tile: warps {4, 8} x stages, SPLIT_K
         {2, 4} where the grid is short of 2 programs per SM, TD where td_gate allows it, the split
-        int4 dot form and register caps
+        int4 dot form, register caps and the swapped tile (swap_worth_timing)
 
 Pure and GPU-blind (tests/test_tune_candidates.py checks every candidate is legal). Two tuners use it:
 bench/tune.py, which writes the shipped tables, and `vllm-wna16 tune` (tools/tune.py), which writes the
@@ -110,7 +110,23 @@ def stage_b(
             out.append(replace(base, nibbles="split"))
             out.append(replace(base, nibbles="split", maxnreg=REGISTER_CAPS[0]))
         out += [replace(base, maxnreg=cap) for cap in REGISTER_CAPS if base.maxnreg is None]
+        if swap_worth_timing(base):
+            out.append(replace(base, swap_ab=True))
     return [c for c in out if c != base]
 
 
-__all__ = ["block_m_choices", "grid_programs", "legal_block_k", "stage_a", "stage_b", "wide_block_k"]
+def swap_worth_timing(cfg: TritonMoEConfig) -> bool:
+    """The swapped tile (TritonMoEConfig.swap_ab) is timed where it can reach wgmma: a tl.dot tile of 16-64
+    token rows (the MMA's N) and >= 64 weight rows (its M: one warpgroup's 64 per m64 instruction)."""
+    return not cfg.swap_ab and 16 <= cfg.BLOCK_SIZE_M <= 64 and cfg.BLOCK_SIZE_N >= 64
+
+
+__all__ = [
+    "block_m_choices",
+    "grid_programs",
+    "legal_block_k",
+    "stage_a",
+    "stage_b",
+    "swap_worth_timing",
+    "wide_block_k",
+]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).with_name("configs")
@@ -43,6 +43,9 @@ class TritonMoEConfig:
     # a tuned cap on registers per thread (ptxas .maxnreg, CUDA only): more programs per SM for a tile
     # whose registers, not its shared memory, bound the occupancy; None = the compiler's choice
     maxnreg: int | None = None
+    # a tuned opinion on the swapped tile (fused_moe._tile_dot): the weight tile as the MMA's M operand,
+    # the token rows as its N (wgmma on sm90 at 16-64 tokens per expert); BLOCK_SIZE_M >= 16 only
+    swap_ab: bool = False
 
     @property
     def per_pair(self) -> bool:
@@ -68,6 +71,12 @@ class TritonMoEConfig:
             raise ValueError(f"use_td={self.use_td!r} must be None, True or False")
         if self.nibbles not in (None, *NIBBLE_FORMS):
             raise ValueError(f"nibbles={self.nibbles!r} must be None or one of {list(NIBBLE_FORMS)}")
+        if not isinstance(self.swap_ab, bool):
+            raise ValueError(f"swap_ab={self.swap_ab!r} must be True or False")
+        if self.swap_ab and self.BLOCK_SIZE_M < 16:
+            raise ValueError(
+                f"swap_ab=True needs BLOCK_SIZE_M >= 16 (the token rows are the dot's N), got {self.BLOCK_SIZE_M}"
+            )
         if self.maxnreg is not None and not (isinstance(self.maxnreg, int) and 24 <= self.maxnreg <= 255):
             raise ValueError(f"maxnreg={self.maxnreg!r} must be None or an int in [24, 255] (registers per thread)")
 
@@ -87,8 +96,12 @@ class TritonMoEConfig:
             )
 
     def to_dict(self) -> dict:
-        """The JSON entry; the optional tuned fields (nibbles, maxnreg) only when set."""
-        return {k: v for k, v in asdict(self).items() if v is not None or k not in ("nibbles", "maxnreg")}
+        """The JSON entry; the optional tuned fields (nibbles, maxnreg, swap_ab) only when set."""
+        return {
+            k: v
+            for k, v in asdict(self).items()
+            if (v is not None or k not in ("nibbles", "maxnreg")) and (v or k != "swap_ab")
+        }
 
 
 def config_file_name(E: int, N: int, K: int, group_size: int, bits: int, device_name: str) -> str:
@@ -219,6 +232,7 @@ def _use_word_nibbles(bits: int, config: TritonMoEConfig, K: int, rows_on_words:
     tile that fits the registers (word_tile_fits)."""
     return (
         bits == 4
+        and not config.swap_ab  # the words form's eight dots accumulate (BLOCK_M, BLOCK_N) only
         and config.BLOCK_SIZE_K >= 128
         and K % 8 == 0
         and not use_td_b
@@ -246,6 +260,16 @@ def dot_form(bits: int, config: TritonMoEConfig, K: int, rows_on_words: bool, us
             return "words"
         want = "split"
     return "split" if want == "split" and config.BLOCK_SIZE_K >= 32 else "interleave"
+
+
+def swap_form(config: TritonMoEConfig, options) -> TritonMoEConfig:
+    """The config a launch runs under KernelOptions.swap_ab (`options`): None keeps the config's own
+    swap_ab (False unless a tuner measured it), True swaps every tl.dot tile of BLOCK_SIZE_M >= 16,
+    False none. Per-pair configs have no tl.dot and never swap."""
+    want = getattr(options, "swap_ab", None)
+    if want is None or config.per_pair or want == config.swap_ab or (want and config.BLOCK_SIZE_M < 16):
+        return config
+    return replace(config, swap_ab=want)
 
 
 def pair_step(bits: int, rows_on_words: bool, want: str) -> str:

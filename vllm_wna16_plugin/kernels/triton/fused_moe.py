@@ -7,7 +7,8 @@ even k in the low nibble), dequantized in-kernel as w = (q - z) * s in float32 a
 accumulated in float32 (the dequant math runs in the activation dtype, bit-identical to
 float32 math and one rounding; see dequant.py). Two kernels run either GEMM:
 
-  _fused_moe_wna16_kernel       tl.dot tiles over token-aligned blocks (BLOCK_SIZE_M > 1).
+  _fused_moe_wna16_kernel       tl.dot tiles over token-aligned blocks (BLOCK_SIZE_M > 1), as
+                                C = A @ B.T or, swapped (TritonMoEConfig.swap_ab), C.T = B @ A.T.
   _fused_moe_wna16_pair_kernel  decode (BLOCK_SIZE_M == 1): one routed pair per program,
                                 no alignment, a GEMV without tl.dot.
 
@@ -37,7 +38,7 @@ from vllm_wna16_plugin.inputs import check_layer_tensors, routing_contiguous
 from vllm_wna16_plugin.kernels.align import moe_align_block_size_torch
 from vllm_wna16_plugin.kernels.options import DEFAULT_OPTIONS, DeviceSpec, KernelOptions
 from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton, moe_sum_triton
-from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig, dot_form, pair_step, triton_launch
+from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig, dot_form, pair_step, swap_form, triton_launch
 from vllm_wna16_plugin.kernels.triton.dequant import (
     _dequant_b_tile,
     _folded_dot_step,
@@ -218,6 +219,23 @@ def _dequant_k_step(
 
 
 @triton.jit
+def _tile_dot(acc, a, w, SWAP_AB: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """One K step of the tl.dot kernel: acc + a @ w.T, acc (BLOCK_M, BLOCK_N); under SWAP_AB the same
+    product transposed, acc + w @ a.T with acc (BLOCK_N, BLOCK_M).
+
+    SWAP_AB puts the dequantized weight tile (BLOCK_N rows, in registers) in the MMA's M operand and the
+    few routed token rows in its N: sm90's wgmma needs 64 rows of M per warpgroup but takes N from 8,
+    so a 16-token tile can run on wgmma with B's 64-128 rows instead of mma.sync (KernelOptions.swap_ab)."""
+    if INTERPRET_BF16:  # the interpreter's bf16 dot multiplies raw bits: upcast the rounded tiles (_interpret_bf16)
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(a), acc=acc)
+    else:
+        return tl.dot(a, tl.trans(w), acc=acc)
+
+
+@triton.jit
 def _store_c(c_ptrs, acc, c_mask, SPLIT_K: tl.constexpr, compute_type: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """SPLIT_K == 1: the finished tile in compute_type; else this slice's float32 partial."""
     if SPLIT_K == 1:
@@ -277,6 +295,7 @@ def _fused_moe_wna16_kernel(
     SPLIT_NIBBLES: tl.constexpr,  # int4: two half-K dots instead of interleaving the nibbles (KernelOptions.dot_nibbles)
     WORD_NIBBLES: tl.constexpr,  # int4: B as 32-bit words, eight dots of K/8 (dot_nibbles "words"; pointer path)
     HAS_A_PERM: tl.constexpr,  # act order: K row k of A is column a_perm[e, k] (never with USE_TD_GATHER)
+    SWAP_AB: tl.constexpr,  # accumulate C.T = dequant(B) @ A.T (_tile_dot); never with WORD_NIBBLES
 ):
     """C[p, :] = (w_p if MUL_ROUTED_WEIGHT) * A[p // top_k] @ dequant(B[e_p]).T for routed pairs p.
 
@@ -335,7 +354,10 @@ def _fused_moe_wna16_kernel(
 
     b_words = b_ptr.to(tl.pointer_type(tl.uint32))  # WORD_NIBBLES: rows are 4-byte aligned (the launcher checks)
     offs_kw = tl.arange(0, BLOCK_KB // 4)
-    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k in range(0, TILES_PER_SPLIT):
         k0 = (split * TILES_PER_SPLIT + k) * BLOCK_SIZE_K
         if USE_TD_GATHER:
@@ -371,12 +393,8 @@ def _fused_moe_wna16_kernel(
             w_odd = _dequant_b_tile(packed >> 4, scale, zero, BLOCK_SIZE_N, BLOCK_KB, GROUPS, BITS, compute_type,
                                     INTERPRET_BF16)  # fmt: skip
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_SIZE_M, BLOCK_KB, 2)))
-            if INTERPRET_BF16:
-                acc = tl.dot(a_even.to(tl.float32), tl.trans(w_even.to(tl.float32)), acc=acc)
-                acc = tl.dot(a_odd.to(tl.float32), tl.trans(w_odd.to(tl.float32)), acc=acc)
-            else:
-                acc = tl.dot(a_even, tl.trans(w_even), acc=acc)
-                acc = tl.dot(a_odd, tl.trans(w_odd), acc=acc)
+            acc = _tile_dot(acc, a_even, w_even, SWAP_AB, INTERPRET_BF16)
+            acc = _tile_dot(acc, a_odd, w_odd, SWAP_AB, INTERPRET_BF16)
         else:
             w = _dequant_k_step(
                 b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0,
@@ -384,11 +402,10 @@ def _fused_moe_wna16_kernel(
                 K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
                 BLOCK_SIZE_N, BLOCK_SIZE_K,
             )  # fmt: skip
-            if INTERPRET_BF16:
-                acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc=acc)
-            else:
-                acc = tl.dot(a, tl.trans(w), acc=acc)
+            acc = _tile_dot(acc, a, w, SWAP_AB, INTERPRET_BF16)
 
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
@@ -630,6 +647,7 @@ def invoke_wna16_gemm(
     E, N, _ = qweight.shape
     K = a.shape[1]
     num_groups = scales.shape[-1]
+    config = swap_form(config, options)
     config.check_shape(K, K // num_groups)
     group_size = _kernel_group_size(K, num_groups, config.BLOCK_SIZE_K)
     if td.use_td_b or td.use_gather:
@@ -720,6 +738,7 @@ def invoke_wna16_gemm(
         EM_GRID=em_grid,
         SPLIT_NIBBLES=form == "split",
         WORD_NIBBLES=form == "words",
+        SWAP_AB=config.swap_ab,
         USE_TD_GATHER=td.use_gather,
         BLOCK_SIZE_M=bm,
         GROUP_SIZE_M=config.GROUP_SIZE_M,

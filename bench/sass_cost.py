@@ -119,7 +119,9 @@ def triton_rows(tmp: str) -> list[str]:
     ]:
         bits, pair, fold, bm, bn, bk, warps = cfg
         out = os.path.join(tmp, f"{label.replace(' ', '_')}.cubin")
-        env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT)}
+        # ROOT first; a PYTHONPATH of the caller's (e.g. another Triton: PYTHONPATH=/tmp/triton36) after it
+        env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT),
+               os.environ.get("PYTHONPATH"))))}  # fmt: skip
         args = [sys.executable, "-c", _COMPILE, *map(str, cfg), out]
         res = subprocess.run(args, capture_output=True, text=True, env=env)
         if res.returncode:

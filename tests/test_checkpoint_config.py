@@ -874,3 +874,63 @@ def test_effective_group_size_act_order_regroups_like_plain_groups():
 def test_effective_group_size_rejects_bad_k():
     with pytest.raises(ValueError, match=r"layer: K=0 must be a positive int"):
         effective_group_size(GS128, 0, layer="layer")
+
+
+# Rules that single out some experts of a layer (vLLM reads a layer's scheme from expert 0's modules)
+QWEN_EXPERTS = "model.layers.0.mlp.experts"
+EXPERT_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def _refused(cfg, expert: int, got: str, first: str):
+    with pytest.raises(ValueError) as exc:
+        cfg.scheme_for(QWEN_EXPERTS, moe=True, num_experts=8)
+    msg = str(exc.value)
+    assert msg.startswith(
+        f"{QWEN_EXPERTS}: quantization_config gives expert {expert} ({QWEN_EXPERTS}.{expert}.*) {got}"
+    )
+    assert f"but expert 0 {first}" in msg and "treat all experts of a layer alike" in msg, msg
+
+
+def test_ct_ignore_of_one_expert_is_refused_where_vllm_would_fail_to_load():
+    later = copy.deepcopy(MIXTRAL_8X22B_CT_W4A16)
+    later["ignore"] = [*later["ignore"], r"re:.*mlp\.experts\.3\..*"]
+    cfg = parse_compressed_tensors(later)
+    assert cfg.scheme_for(QWEN_EXPERTS, moe=True) == cfg.scheme  # vLLM's probe of expert 0 alone
+    _refused(cfg, 3, "unquantized", cfg.scheme.describe())
+    first = copy.deepcopy(MIXTRAL_8X22B_CT_W4A16)
+    first["ignore"] = [*first["ignore"], *(f"{QWEN_EXPERTS}.0.{m}" for m in EXPERT_MODULES)]
+    cfg = parse_compressed_tensors(first)
+    assert cfg.scheme_for(QWEN_EXPERTS, moe=True) is None  # the whole layer, read through expert 0
+    _refused(cfg, 1, parse_compressed_tensors(MIXTRAL_8X22B_CT_W4A16).scheme.describe(), "unquantized")
+
+
+def test_awq_modules_to_not_convert_naming_one_expert_is_refused():
+    cfg = parse_awq({**MIXTRAL_AWQ_THEBLOKE, "modules_to_not_convert": ["mlp.experts.2."]})
+    _refused(cfg, 2, "unquantized", cfg.scheme.describe())
+
+
+def test_gptq_dynamic_over_expert_names_is_refused():
+    """vLLM matches `dynamic` against the layer's prefix; GPTQModel wrote each expert module by its own name."""
+    asym = parse_gptq({**GPTQ_INT8, "dynamic": {r"+:.*\.experts\.\d+\..*": {"sym": False}}})
+    assert not asym.scheme_for(QWEN_EXPERTS, moe=True).has_zero_point  # what vLLM would load
+    with pytest.raises(ValueError, match=r"quantization_config.dynamic gives its experts' modules gptq int8 .*asym"):
+        asym.scheme_for(QWEN_EXPERTS, moe=True, num_experts=8)
+    down8 = parse_gptq({**QWEN35_GPTQ_GS32, "dynamic": {r"+:.*down_proj.*": {"bits": 8}}})
+    with pytest.raises(
+        ValueError, match=r"dynamic gives its experts' modules gate_proj: gptq int4 .*; down_proj: gptq int8"
+    ):
+        down8.scheme_for(QWEN_EXPERTS, moe=True, num_experts=8)
+    one = parse_gptq({**GPTQ_INT8, "dynamic": {r"-:.*experts\.5\..*": {}}})
+    _refused(one, 5, "unquantized", one.scheme.describe())
+
+
+def test_rules_that_treat_every_expert_alike_pass_the_expert_check():
+    for cfg in (parse_gptq(GPTQ_DYNAMIC), parse_compressed_tensors(MIXTRAL_8X22B_CT_W4A16),
+                parse_awq({**MIXTRAL_AWQ_THEBLOKE, "modules_to_not_convert": ["gate"]}),
+                parse_gptq({**GPTQ_INT8, "dynamic": {r"-:.*layers\.0\..*": {}}})):  # fmt: skip
+        for layer in range(3):
+            prefix = f"model.layers.{layer}.mlp.experts"
+            assert cfg.scheme_for(prefix, moe=True, num_experts=64) == cfg.scheme_for(prefix, moe=True)
+    # writers that list expert 0's modules alone: vLLM's reading (through expert 0), not refused
+    only0 = parse_gptq({**GPTQ_INT8, "modules_in_block_to_quantize": [[f"mlp.experts.0.{m}" for m in EXPERT_MODULES]]})
+    assert only0.scheme_for(QWEN_EXPERTS, moe=True, num_experts=8) == only0.scheme

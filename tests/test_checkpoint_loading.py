@@ -250,3 +250,81 @@ def test_wrong_dtype_or_shape_is_named_at_load(vllm_cpu, tmp_path, suffix, bad, 
     tensors[name] = bad(tensors[name])
     with pytest.raises(ValueError, match=_expect(expert, proj, suffix, detail)):
         _load(vllm_cpu, path, tensors)
+
+
+# ---------------------------------------------------------------- configs that misdescribe the tensors
+
+
+def _with_quant(path, **changes):
+    """The checkpoint's config.json with quantization_config fields changed (CT: its group_0 weights)."""
+    cfg = json.loads((path / "config.json").read_text())
+    quant = cfg["quantization_config"]
+    target = quant["config_groups"]["group_0"]["weights"] if "config_groups" in quant else quant
+    target.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, suffix, fix",
+    [
+        pytest.param(
+            dict(fmt="gptq", checkpoint_format="gptq_v2"), {"sym": True}, "qzeros", '"sym": false', id="gptq-v2"
+        ),
+        pytest.param(dict(fmt="gptq"), {"sym": True}, "qzeros", '"sym": false', id="gptq-v1"),
+        pytest.param(dict(fmt="awq"), {"zero_point": False}, "qzeros", '"zero_point": true', id="awq"),
+        pytest.param(
+            dict(fmt="compressed-tensors"), {"symmetric": True}, "weight_zero_point", '"symmetric": false', id="ct"
+        ),  # fmt: skip
+    ],
+)
+def test_real_zero_points_under_a_symmetric_config_are_refused(vllm_cpu, tmp_path, kwargs, field, suffix, fix):
+    """Ignoring stored zero points the config calls symmetric would be a silently wrong layer (0.72 relative
+    error on these): the tensor, the field and the fix are named."""
+    path = make_checkpoint(tmp_path / "ck", bits=4, group_size=32, sym=False, hidden=H, intermediate=I, experts=E,
+                           top_k=TOP_K, layers=1, seed=7, **kwargs)  # fmt: skip
+    _with_quant(path, **field)
+    with pytest.raises(ValueError, match=rf"{re.escape(LAYER)}\.\d\.\w+_proj\.{suffix} .*packed word \[\d+, \d+\] "
+                                         rf"is 0x[0-9a-f]{{8}}, but quantization_config says .* set {fix}"):  # fmt: skip
+        _load(vllm_cpu, path, _stored(path))
+
+
+@pytest.mark.parametrize(
+    "kwargs", [pytest.param(dict(fmt="gptq"), id="gptq-v1"), pytest.param(dict(fmt="awq"), id="awq")]
+)
+def test_symmetric_files_with_their_implied_zero_points_load(vllm_cpu, tmp_path, kwargs):
+    """The check's other side: a symmetric GPTQ/AWQ file's stored qzeros (the midpoint) load as before."""
+    path = make_checkpoint(tmp_path / "ck", bits=4, group_size=32, hidden=H, intermediate=I, experts=E, top_k=TOP_K,
+                           layers=1, seed=8, **kwargs)  # fmt: skip
+    tensors = _stored(path)
+    if kwargs["fmt"] == "awq" and not any(n.endswith("qzeros") for n in tensors):  # writers that omit them
+        tensors |= {n.replace("qweight", "qzeros"): torch.full((H // 32 if "down" not in n else I // 32,
+                    (I if "down" not in n else H) // 8), 0x88888888 - 2**32, dtype=torch.int32)
+                    for n in list(tensors) if n.endswith("qweight")}  # fmt: skip
+    _load(vllm_cpu, path, tensors)
+
+
+def test_ct_act_order_tensors_the_config_does_not_announce_are_refused_by_name(vllm_cpu, tmp_path):
+    """vLLM would end in "has no parameter 'w2_weight_g_idx'" (AttributeError); the plugin names the field."""
+    path = make_checkpoint(tmp_path / "ck", fmt="compressed-tensors", bits=4, group_size=32, desc_act=True, hidden=H,
+                           intermediate=I, experts=E, top_k=TOP_K, layers=1, seed=9)  # fmt: skip
+    _with_quant(path, actorder=None)
+    with pytest.raises(ValueError, match=r"weight_g_idx .*: g_idx\[\d+\]=\d+, but quantization_config\.weights\."
+                                         r'actorder is not group.*set "actorder": "group"'):  # fmt: skip
+        _load(vllm_cpu, path, _stored(path))
+
+
+def test_act_order_g_idx_with_groups_of_the_wrong_size_is_refused(vllm_cpu, tmp_path):
+    """In range but impossible: act order keeps group_size rows in every group."""
+    path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, desc_act=True, hidden=H,
+                           intermediate=I, experts=E, top_k=TOP_K, layers=1, seed=10)  # fmt: skip
+    gen = torch.Generator().manual_seed(10)
+    tensors = _stored(path)
+    expert, proj, name = _victim(gen, "g_idx")
+    g_idx = tensors[name].clone()
+    row = int((g_idx == 1).nonzero()[0])
+    g_idx[row] = 0  # group 0 gets 33 rows, group 1 31
+    tensors[name] = g_idx
+    detail = r"g_idx puts 33 of K=\d+ rows into group 0, but act order keeps 32 \(group_size 32\) in each group"
+    with pytest.raises(ValueError, match=_expect(expert, proj, "g_idx", detail)):
+        _load(vllm_cpu, path, tensors)

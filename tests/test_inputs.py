@@ -126,7 +126,12 @@ def _bad_shapes(p):
         ),
         ("w2_qzeros", z2[:, :8], r"w2_qzeros has shape \(4, 8, 1\); it must be \(4, 32, 1\)"),
         ("w13_qweight", p.w13.qweight.view(torch.int8), r"w13_qweight has dtype int8; it must be uint8"),
-        ("w2_scales", w2s.to(torch.int32), r"w2_scales has dtype int32; it must be float16, bfloat16, float32"),
+        ("w2_scales", w2s.to(torch.int32), r"w2_scales has dtype int32; it must be bfloat16"),
+        (
+            "w13_scales",
+            w13s.float(),
+            r"w13_scales has dtype float32; it must be bfloat16 \(\(E, 2I, H/group_size\) in x's dtype\)",
+        ),
         ("topk_weights", p.topk_weights[:, :1], r"topk_weights has shape \(2, 1\); it must be \(2, 2\)"),
         ("topk_ids", p.topk_ids.float(), r"topk_ids has dtype float32; it must be int32, int64"),
         ("x", p.x[:, :32], r"w13_qweight has 32 bytes per row but x's H=32 int4 values need 16 \(it holds int8"),
@@ -224,3 +229,24 @@ def test_routing_values_are_not_read_back_while_a_graph_is_captured_or_compiled(
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     with pytest.raises(AssertionError, match="ran while compiling"):
         _call(p, "reference")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(options="fast"), r"options='fast' must be a KernelOptions .* or None, not str"),
+        (dict(apply_router_weight_on_input="no"), r"apply_router_weight_on_input='no' must be True or False"),
+    ],
+)
+def test_functional_api_options_are_typed(kwargs, message):
+    p = _problem(2, seed=13)
+    with pytest.raises(ValueError, match=message):
+        _call(p, "reference", **kwargs)
+
+
+def test_zero_sized_hidden_and_intermediate_are_named():
+    p = _problem(2, seed=14)
+    with pytest.raises(ValueError, match=r"x has H=0 columns"):
+        _call(p, "reference", x=p.x[:, :0])
+    with pytest.raises(ValueError, match=r"w13_qweight has 0 rows: the intermediate size I must be positive"):
+        _call(p, "reference", w13_qweight=p.w13.qweight[:, :0])

@@ -258,3 +258,16 @@ def test_a_cuda_layer_under_auto_hands_batches_outside_its_crossover_to_triton(t
         runner.run(torch.randn(m, H).bfloat16(), torch.rand(m, top_k), ids)
     assert ran == [("triton", 1), ("cuda", 2), ("cuda", 4), ("triton", 5)]
     assert set(registry()) >= {"cuda", "triton"}
+
+
+def test_float32_activations_never_reach_a_half_precision_kernel():
+    """vLLM lets a float32 model ask for moe_wna16_plus (get_supported_act_dtypes); every GPU kernel computes in
+    bf16/fp16, so auto runs such a layer on reference, and an explicit GPU backend is refused at load."""
+    problem = dataclasses.replace(layer_problem(128, 8, 2048, 768, 1, 4, 128), act_dtype=torch.float32)
+    selection = select_backend(problem)
+    assert selection.backend.name == "reference"
+    refused = {v.backend: v.reason for v in selection.verdicts if not v.ok}
+    for name in ("triton", "cuda", "marlin", "vllm_cuda", "humming"):
+        assert name in refused and "activations are float32" in refused[name], (name, refused)
+    with pytest.raises(ValueError, match="activations are float32; this kernel takes bfloat16 or float16"):
+        select_backend(problem, "triton", "test")

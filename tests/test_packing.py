@@ -90,3 +90,14 @@ def test_permute_k_and_n_pad_with_the_given_values_and_zero_rows():
     keep = rows >= 0
     assert torch.equal(sc[..., 0], torch.where(keep, scales[..., 0].gather(1, rows.clamp(min=0)), 0))
     assert torch.equal(unpack_along(qz, 4, dim=-2, word_bits=8)[..., 0], torch.where(keep, 5, 0))
+
+
+def test_check_packable_names_the_size_and_the_word():
+    from vllm_wna16_plugin.packing import check_packable
+
+    check_packable(4, 2048, 1344, "layer")  # multiples of 8
+    check_packable(8, 100, 36, "layer")  # int8: 4 per word
+    with pytest.raises(ValueError, match=r"layer: the hidden size H is 100, not a positive multiple of 8"):
+        check_packable(4, 100, 64, "layer")
+    with pytest.raises(ValueError, match=r"the experts' intermediate size I is 38, not a positive multiple of 4"):
+        check_packable(8, 64, 38, "layer")

@@ -87,6 +87,30 @@ def test_bf16_router_gate_of_a_gptq_checkpoint_stays_unquantized(vllm_cpu, tmp_p
     assert isinstance(gate.quant_method, UnquantizedLinearMethod)
 
 
+def test_experts_the_config_leaves_unquantized_but_the_file_stores_quantized_are_refused(vllm_cpu, tmp_path):
+    """modules_in_block_to_quantize without the experts: vLLM would build an unquantized MoE layer and fail on
+    the first qweight ("has no parameter"); the safetensors dtypes show the experts are quantized."""
+    import json
+
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from vllm_wna16_plugin import _vllm
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, hidden=128, intermediate=64,
+                           experts=4, top_k=2, layers=1)  # fmt: skip
+    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    raw["modules_in_block_to_quantize"] = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]]
+    cfg = get_quantization_config("moe_wna16_plus").from_config(raw)
+    cfg.maybe_update_config(str(path))
+    prefix = "model.layers.0.mlp.experts"
+    assert cfg._stored_quantized_experts(prefix) and not cfg._stored_quantized_experts("model.layers.0.mlp.gate")
+    with pytest.raises(ValueError, match=rf"{prefix}: quantization_config leaves its routed experts unquantized, "
+                                         "but the checkpoint stores them quantized"):  # fmt: skip
+        _vllm.build_routed_experts(vllm_cpu, cfg, num_experts=4, top_k=2, hidden=128, intermediate=64, prefix=prefix,
+                                   ckpt_names=("gate_proj", "down_proj", "up_proj"))  # fmt: skip
+
+
 def test_config_pickles_by_name_into_a_fresh_process(config_cls, tmp_path):
     """vLLM pickles the config into the engine core it spawns (the demo crashed on the H200 with
     "Can't pickle local object 'make_config_class.<locals>.MoeWNA16PlusConfig'"); a fresh

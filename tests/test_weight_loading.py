@@ -56,8 +56,9 @@ def test_zero_and_negative_scales_are_legal():
 def test_g_idx_edges(desc_act):
     scheme = _scheme(PackFormat.GPTQ, desc_act=desc_act)
     name = TensorName("model.layers.0.mlp.experts", 3, "up_proj", "g_idx")
-    g_idx = _random(2, K, lo=0, hi=G) if desc_act else torch.arange(K, dtype=torch.int32) // GS
-    g_idx[0], g_idx[-1] = 0, G - 1  # both ends of [0, G) are legal
+    g_idx = torch.arange(K, dtype=torch.int32) // GS  # both ends of [0, G) are legal
+    if desc_act:  # act order: the rows dealt into the groups in another order, group_size rows each
+        g_idx = g_idx[torch.randperm(K, generator=torch.Generator().manual_seed(2))]
     out = unpack_checkpoint_tensor(scheme, "g_idx", g_idx.long(), N, K, name)
     assert out.dtype == torch.int32 and torch.equal(out, g_idx)
     for bad in (-1, G):
@@ -65,6 +66,17 @@ def test_g_idx_edges(desc_act):
         corrupt[77] = bad
         with pytest.raises(ValueError, match=rf"g_idx\[77\]={bad} is outside \[0, {G}\).*groups 0\.\.{G - 1}"):
             unpack_checkpoint_tensor(scheme, "g_idx", corrupt, N, K, name)
+
+
+def test_act_order_g_idx_counts_are_checked():
+    scheme = _scheme(PackFormat.GPTQ, desc_act=True)
+    name = TensorName("model.layers.0.mlp.experts", 3, "up_proj", "g_idx")
+    g_idx = (torch.arange(K, dtype=torch.int32) // GS)[torch.randperm(K, generator=torch.Generator().manual_seed(3))]
+    unpack_checkpoint_tensor(scheme, "g_idx", g_idx, N, K, name)
+    row = int((g_idx == G - 1).nonzero()[0])
+    g_idx[row] = 0  # in range, but group 0 now has GS + 1 rows
+    with pytest.raises(ValueError, match=rf"g_idx puts {GS + 1} of K={K} rows into group 0, but act order keeps {GS}"):
+        unpack_checkpoint_tensor(scheme, "g_idx", g_idx, N, K, name)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -17,6 +17,7 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | ...fused_moe.FusedMoE / FusedMoEFactory | building a MoE layer without an engine (`fused_moe_layer_cls`) | `FusedMoE` 0.26; `FusedMoEFactory` 0.27-0.34, same keywords, returns the runner whose `.routed_experts` we own | - |
 | ...fused_moe.config.int4_w4a16_moe_quant_config / int8_w8a16_moe_quant_config | `get_fused_moe_quant_config` (read by vLLM's runner) | 0.26-0.34 | - |
 | RoutedExperts._map_global_expert_id_to_local_expert_id | expert-parallel weight loading | 0.26-0.34 | vLLM exposes the map publicly |
+| RoutedExperts.global_num_experts / expert_map | every expert's scheme checked at config time (`layer_global_experts`); EP routing | 0.26-0.34 | - |
 | FusedMoEConfig.tp_rank / tp_size / moe_backend | TP sharding and `--moe-backend` | 0.26-0.34 | - |
 | config.kernel.MoEBackend (Literal) | vLLM's `--moe-backend` names, for a precise refusal (`vllm_moe_backend_names`) | 0.26-0.34, names added over time (0.34: batched_triton, b12x, rdna3, ...) | - |
 | ...linear.LinearBase, UnquantizedLinearMethod | delegation of linear layers | 0.26-0.34 | - |
@@ -337,6 +338,13 @@ def layer_tp(layer) -> tuple[int, int]:
     """(tp_rank, tp_size) of a RoutedExperts layer."""
     cfg = layer.moe_config
     return int(cfg.tp_rank), int(cfg.tp_size)
+
+
+def layer_global_experts(layer) -> int | None:
+    """The routed experts of a RoutedExperts layer over all ranks (its `global_num_experts`; None on a layer
+    that does not have it yet)."""
+    n = getattr(layer, "global_num_experts", None)
+    return None if n is None else int(n)
 
 
 def layer_local_expert_id(layer, global_expert_id: int) -> int:

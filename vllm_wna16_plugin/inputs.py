@@ -112,12 +112,16 @@ def check_layer_tensors(
         raise ValueError(f"x must be a (M, H) tensor, got {_shape(x) if isinstance(x, torch.Tensor) else type(x)}")
     m, hidden = _shape(x)
     _expect("x", x, (m, hidden), ACT_DTYPES, "(M, H) activations")
+    if hidden == 0:
+        raise ValueError("x has H=0 columns: the hidden size must be positive")
     if not isinstance(w13_qweight, torch.Tensor) or w13_qweight.dim() != 3:
         raise ValueError("w13_qweight must be a (E, 2I, H*bits/8) uint8 tensor")
     e, two_i, _ = _shape(w13_qweight)
     if two_i % 2:
         raise ValueError(f"w13_qweight has {two_i} rows; it must have 2I (gate rows, then up rows): an even number")
     inter = two_i // 2
+    if inter == 0:
+        raise ValueError("w13_qweight has 0 rows: the intermediate size I must be positive")
     if hidden * bits % 8 or inter * bits % 8:
         raise ValueError(f"H={hidden} and I={inter} int{bits} values must fill whole bytes")
     if w13_qweight.shape[-1] * 8 != hidden * bits:
@@ -137,8 +141,9 @@ def check_layer_tensors(
     g13 = _group_size("w13_scales", hidden, w13_scales.shape[-1], pair[0])
     g2 = _group_size("w2_scales", inter, w2_scales.shape[-1], pair[1])
     floats = (torch.float16, torch.bfloat16, torch.float32)
-    _expect("w13_scales", w13_scales, (e, two_i, hidden // g13), floats, "(E, 2I, H/group_size)")
-    _expect("w2_scales", w2_scales, (e, hidden, inter // g2), floats, "(E, H, I/group_size)")
+    # the kernels read scales in the activations' dtype (every backend gets the same rule)
+    _expect("w13_scales", w13_scales, (e, two_i, hidden // g13), (x.dtype,), "(E, 2I, H/group_size) in x's dtype")
+    _expect("w2_scales", w2_scales, (e, hidden, inter // g2), (x.dtype,), "(E, H, I/group_size) in x's dtype")
     if (w13_qzeros is None) != (w2_qzeros is None):
         given = "w13_qzeros" if w2_qzeros is None else "w2_qzeros"
         raise ValueError(f"only {given} was given: pass zero points for both GEMMs (asymmetric) or neither")

@@ -22,8 +22,15 @@ from vllm_wna16_plugin.backends.base import act_order_issue, act_order_padded, a
 from vllm_wna16_plugin.checkpoint_config import effective_group_size
 from vllm_wna16_plugin.launch_plan import LayerRunner, composable_with_humming, compose_with_humming
 from vllm_wna16_plugin.oracle import resolve_request, select_backend
+from vllm_wna16_plugin.packing import check_packable
 from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
-from vllm_wna16_plugin.weight_loading import CHECKPOINT_NAMES, MoEShapes, TensorName, convert_checkpoint_tensor
+from vllm_wna16_plugin.weight_loading import (
+    CHECKPOINT_NAMES,
+    MoEShapes,
+    TensorName,
+    check_symmetric_zeros,
+    convert_checkpoint_tensor,
+)
 
 logger = _vllm.init_logger(__name__)
 _LOGGED: set[str] = set()
@@ -48,13 +55,18 @@ def kernel_param_shapes(scheme: WNA16Scheme, shapes: MoEShapes, num_experts: int
     if scheme.has_zero_point:
         out[("w13", "qzeros")] = ((e, 2 * i * b // 8, g13), torch.uint8)
         out[("w2", "qzeros")] = ((e, h * b // 8, g2), torch.uint8)
-    elif scheme.pack_format in (PackFormat.GPTQ, PackFormat.AWQ):
-        # Symmetric GPTQ/AWQ files still carry qzeros: a placeholder the loader skips.
+    else:
+        # Symmetric GPTQ/AWQ files still carry qzeros, and some compressed-tensors writers a zero point: a
+        # placeholder the loader checks holds the implied zero (check_symmetric_zeros) and skips.
         out[("w13", "qzeros")] = ((e, 0), torch.int32)
         out[("w2", "qzeros")] = ((e, 0), torch.int32)
     if scheme.desc_act or scheme.pack_format is PackFormat.GPTQ:
         out[("w13", "g_idx")] = ((e, 2, h), torch.int32)  # gate and up each have their own act order
         out[("w2", "g_idx")] = ((e, i), torch.int32)
+    elif scheme.pack_format is PackFormat.CT_PACKED:
+        # a weight_g_idx the config does not announce: a placeholder the loader checks is trivial (check_g_idx)
+        out[("w13", "g_idx")] = ((e, 0), torch.int32)
+        out[("w2", "g_idx")] = ((e, 0), torch.int32)
     if scheme.pack_format is PackFormat.CT_PACKED:
         out[("w13", "shape")] = ((e, 2), torch.int64)
         out[("w2", "shape")] = ((e, 2), torch.int64)
@@ -82,6 +94,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
         ):
             tp_rank, tp_size = _vllm.layer_tp(layer)
             intermediate = intermediate_size_per_partition * tp_size
+            check_packable(scheme.bits, hidden_size, intermediate, prefix)
             shapes = MoEShapes(
                 hidden=hidden_size,
                 intermediate=intermediate,
@@ -136,9 +149,15 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 local = _vllm.layer_local_expert_id(layer, int(expert_id))
                 if local < 0:
                     return False if return_success else None
-                if kind == "qzeros" and not scheme.has_zero_point:
-                    return True if return_success else None
                 name = method._ckpt_name(layer, int(expert_id), shard_id, kind)
+                if kind == "qzeros" and not scheme.has_zero_point:
+                    check_symmetric_zeros(scheme, loaded_weight, name)  # the implied midpoint, never real zeros
+                    return True if return_success else None
+                if kind == "g_idx" and param.numel() == 0:  # compressed-tensors without actorder: must be trivial
+                    convert_checkpoint_tensor(
+                        scheme, method.shapes, kind, shard_id, loaded_weight, name, method.params_dtype
+                    )
+                    return True if return_success else None
                 piece, rows = convert_checkpoint_tensor(
                     scheme, method.shapes, kind, shard_id, loaded_weight, name, method.params_dtype
                 )
@@ -172,7 +191,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 return []
             # checkpoint names carry global expert ids (they differ from local ones under EP)
             to_global: dict[int, int] = {}
-            for g in range(int(layer.global_num_experts)):
+            for g in range(_vllm.layer_global_experts(layer)):
                 to_global.setdefault(_vllm.layer_local_expert_id(layer, g), g)
             return [str(self._ckpt_name(layer, to_global.get(e, e), shard, kind)) for e, shard, kind in missing]
 
@@ -323,7 +342,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 hidden=self.shapes.hidden,
                 intermediate=self.shapes.intermediate_local,
                 num_experts=self.num_local_experts,
-                global_num_experts=int(layer.global_num_experts),
+                global_num_experts=_vllm.layer_global_experts(layer),
                 top_k=int(layer.top_k),
                 group_size_w13=self.shapes.group_size_w13,
                 group_size_w2=self.shapes.group_size_w2,

@@ -98,6 +98,16 @@ def fused_moe_wna16(
     backend that cannot run the problem raises ValueError with the reason (no
     launch happens). Each batch runs on its launch plan (launch_plan.plan).
     """
+    if options is not None and not isinstance(options, KernelOptions):
+        raise ValueError(
+            f"options={options!r} must be a KernelOptions (vllm_wna16_plugin.kernels.options) or None, "
+            f"not {type(options).__name__}"
+        )
+    if not isinstance(apply_router_weight_on_input, bool):
+        raise ValueError(
+            f"apply_router_weight_on_input={apply_router_weight_on_input!r} must be True or False, "
+            f"not {type(apply_router_weight_on_input).__name__}"
+        )
     problem = make_problem(
         x, w13_qweight, w2_qweight, w13_scales, w2_scales, topk_ids, bits=bits, group_size=group_size,
         has_zero_point=w13_qzeros is not None, activation=activation,

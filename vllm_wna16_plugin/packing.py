@@ -48,6 +48,20 @@ class QuantizedWeight:
         return torch.full(self.scales.shape, 1 << (self.bits - 1), dtype=torch.int32, device=self.q.device)
 
 
+def check_packable(bits: int, hidden: int, intermediate: int, where: str) -> None:
+    """ValueError unless every on-disk format can hold a layer of these sizes: each packs 32 // bits values
+    per int32 word along H and along the experts' I (GPTQ along K and its zero points along N, AWQ along N,
+    compressed-tensors along K and its zero points along N; gate/up is (N=I, K=H), down (N=H, K=I))."""
+    per_word = 32 // bits
+    for what, size in (("hidden size H", hidden), ("experts' intermediate size I", intermediate)):
+        if size <= 0 or size % per_word:
+            raise ValueError(
+                f"{where}: the {what} is {size}, not a positive multiple of {per_word}: GPTQ, AWQ and "
+                f"compressed-tensors checkpoints pack {per_word} int{bits} values per int32 word along it, so none "
+                f"holds this layer as written (its config.json's sizes and tensors disagree)"
+            )
+
+
 # ---------------------------------------------------------------- generic packers
 
 

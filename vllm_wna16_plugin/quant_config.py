@@ -113,6 +113,12 @@ def make_config_class():
             shards = (getattr(self, "packed_modules_mapping", None) or {}).get(last, [last])
             return any((f"{parent}.{s}" if parent else s) in quantized for s in shards)
 
+        def _stored_quantized_experts(self, prefix: str) -> bool:
+            """The safetensors hold non-float tensors of some routed expert under this layer prefix."""
+            quantized = getattr(self, "_quantized_modules", None) or ()
+            head = f"{prefix}."
+            return any(m.startswith(head) and m[len(head) : len(head) + 1].isdigit() for m in quantized)
+
         def _delegate(self):
             if self._linear_delegate is None:
                 delegate = _vllm.in_tree_linear_config(self.parsed.quant_method, self.parsed.raw)
@@ -146,7 +152,15 @@ def make_config_class():
         def get_quant_method(self, layer: torch.nn.Module, prefix: str):
             fused = getattr(self, "packed_modules_mapping", None) or None
             if isinstance(layer, _vllm.routed_experts_cls()):
-                scheme = self.parsed.scheme_for(prefix, fused_mapping=fused, moe=True)
+                experts = _vllm.layer_global_experts(layer)
+                scheme = self.parsed.scheme_for(prefix, fused_mapping=fused, moe=True, num_experts=experts)
+                if scheme is None and self._stored_quantized_experts(prefix):
+                    raise ValueError(
+                        f"moe_wna16_plus: {prefix}: quantization_config leaves its routed experts unquantized, "
+                        f"but the checkpoint stores them quantized (non-float tensors under {prefix}.<expert>.*); "
+                        "the config's module rules (modules_in_block_to_quantize, dynamic, ignore, "
+                        "modules_to_not_convert) must name the experts as quantized"
+                    )
                 if scheme is None:
                     logger.info("moe_wna16_plus: %s is not quantized in the checkpoint; unquantized MoE", prefix)
                     return _vllm.unquantized_moe_method(layer.moe_config)

@@ -16,14 +16,15 @@ signed zero points are packed.
 
     tensor        refused at load                                   trusted (every value is legal)
     g_idx         an entry outside [0, G); with desc_act false,     -
-                  any entry other than k // group_size
+                  any entry other than k // group_size; with it,
+                  a group of other than group_size rows
     scales        NaN or Inf, also after the cast to the layer's    zero and negative scales
                   dtype (a float32 scale above float16's max)       (legal math: w = (q - z) * s)
     zero points   GPTQ v1 stored 2**bits - 1 (zero 2**bits, out of  packed GPTQ v2 / AWQ / CT words: each
-                  range); unpacked signed CT values outside         field holds 0..2**bits - 1 by construction;
-                  [-2**(bits-1), 2**(bits-1))                       a symmetric checkpoint's qzeros are not
-                                                                    read (the midpoint is implied, as in
-                                                                    vLLM's GPTQ/AWQ Marlin methods)
+                  range); unpacked signed CT values outside         field holds 0..2**bits - 1 by construction
+                  [-2**(bits-1), 2**(bits-1)); a symmetric
+                  checkpoint's qzeros holding anything but the
+                  implied midpoint (check_symmetric_zeros)
     qweight       -                                                 every packed word
     weight_shape  a non-integer dtype or a value other than [N, K]  -
 
@@ -120,11 +121,27 @@ def check_g_idx(scheme: WNA16Scheme, g_idx: torch.Tensor, k: int, name: str | Te
         expected = torch.arange(k, dtype=g_idx.dtype) // gs
         if not torch.equal(g_idx, expected):
             (row,) = _first(g_idx != expected)
+            if scheme.pack_format is PackFormat.CT_PACKED:
+                field, fix = "weights.actorder is not group", 'set "actorder": "group" in its config_groups weights'
+            else:
+                field, fix = "desc_act is false", 'set "desc_act": true in its config.json'
             raise ValueError(
-                f"{_describe(name)}: g_idx[{row}]={int(g_idx[row])}, but quantization_config.desc_act is false, "
+                f"{_describe(name)}: g_idx[{row}]={int(g_idx[row])}, but quantization_config.{field}, "
                 f"which means g_idx[k] = k // group_size ({int(expected[row])} here): this checkpoint was "
-                'quantized with act order; set "desc_act": true in its config.json'
+                f"quantized with act order; {fix}"
             )
+        return
+    # act order deals K's rows into the groups in another order, each group still group_size rows (the last
+    # one the rest of K): any other count is a corrupt g_idx that would read rows with another row's scale
+    counts = torch.bincount(g_idx.to(torch.int64), minlength=g)
+    expected = torch.full((g,), gs, dtype=counts.dtype)
+    expected[-1] = k - (g - 1) * gs
+    if not torch.equal(counts, expected):
+        (group,) = _first(counts != expected)
+        raise ValueError(
+            f"{_describe(name)}: g_idx puts {int(counts[group])} of K={k} rows into group {group}, but act order "
+            f"keeps {int(expected[group])} (group_size {gs}) in each group; {_CORRUPT}"
+        )
 
 
 def check_scales(scales: torch.Tensor, dtype: torch.dtype | None, layout: str, name: str | TensorName) -> None:
@@ -176,6 +193,35 @@ def gptq_zero_points(scheme: WNA16Scheme, qzeros: torch.Tensor, name: str | Tens
     if scheme.zero_point_offset:
         check_gptq_v1_zeros(z, scheme.bits, name)
     return z + scheme.zero_point_offset
+
+
+def check_symmetric_zeros(scheme: WNA16Scheme, qzeros: torch.Tensor, name: str | TensorName) -> None:
+    """A symmetric GPTQ or AWQ checkpoint still stores qzeros (some compressed-tensors writers a zero point),
+    which no kernel reads (the zero 2**(bits-1) is implied): every field must hold that zero as stored (GPTQ v1:
+    minus one; compressed-tensors: signed 0, packed with the offset), else the file holds real zero points under
+    a config that says symmetric, and ignoring them would be a silently wrong layer. AWQ and compressed-tensors
+    tensors of zeros (an unused buffer, or unpacked signed zeros) pass too. Compares words, no unpacking."""
+    if qzeros.numel() == 0:
+        return
+    per_word, bits = 32 // scheme.bits, scheme.bits
+    stored = (1 << (bits - 1)) - scheme.zero_point_offset
+    word = sum(stored << (i * bits) for i in range(per_word))
+    got = qzeros.to(torch.int64) & 0xFFFFFFFF
+    ok = got == word
+    fmt = scheme.pack_format
+    if bool(ok.all()) or (fmt is not PackFormat.GPTQ and not bool(got.any())):
+        return
+    idx = _first(~ok)
+    field, fix = {
+        PackFormat.GPTQ: ('"sym": true', '"sym": false in its config.json'),
+        PackFormat.AWQ: ('"zero_point": false', '"zero_point": true in its config.json'),
+        PackFormat.CT_PACKED: ('"symmetric": true', '"symmetric": false in its config_groups weights'),
+    }[fmt]
+    raise ValueError(
+        f"{_describe(name)}: packed word {list(idx)} is 0x{int(got[idx]):08x}, but quantization_config says "
+        f"{field}, which implies the zero {1 << (bits - 1)} in every field (stored as 0x{word:08x}): this checkpoint "
+        f"stores real zero points; set {fix}"
+    )
 
 
 def check_signed_zeros(zeros: torch.Tensor, bits: int, name: str | TensorName) -> None:

@@ -87,7 +87,7 @@ def test_accepts_fp16_on_turing_and_unknown_sm():
         pytest.param({"platform": "rocm", "sm": None}, "needs an NVIDIA GPU (platform is rocm)", id="rocm"),
         pytest.param({"sm": 70, "dtype": torch.float16}, "needs sm75+", id="sm70"),
         pytest.param({"sm": 75}, "bf16 activations need sm80+", id="bf16-sm75"),
-        pytest.param({"dtype": torch.float32}, "bf16 or fp16", id="fp32"),
+        pytest.param({"dtype": torch.float32}, "activations are float32", id="fp32"),
         pytest.param({"has_g_idx": True}, "act order", id="act-order"),
         pytest.param({"apply_router_weight_on_input": True}, "router weight on the input", id="int4-router-on-input"),
         pytest.param(

@@ -68,6 +68,20 @@ class MoEProblem:
         )
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def half_precision_reason(problem: MoEProblem) -> str | None:
+    """Why a GPU kernel cannot take this layer's activations: every one but `reference` computes in bfloat16
+    or float16 (a float32 model runs its experts on `reference`, or loads with --dtype bfloat16)."""
+    if problem.act_dtype in HALF_DTYPES:
+        return None
+    return (
+        f"activations are {str(problem.act_dtype).removeprefix('torch.')}; this kernel takes bfloat16 or float16 "
+        "(--dtype bfloat16)"
+    )
+
+
 def layer_device(problem: MoEProblem) -> DeviceSpec:
     """The device a layer's launch plans are for: this machine's GPU, named as options.device_name says when
     set; with options.plan_only the device the problem describes (an sm90 problem is planned as the H200

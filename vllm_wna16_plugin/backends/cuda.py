@@ -16,13 +16,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import torch
-
 from vllm_wna16_plugin import crossover
 from vllm_wna16_plugin.backends.base import (
     Backend,
     KernelTensors,
     MoEProblem,
+    half_precision_reason,
     layer_device,
     layer_kwargs,
     sort_act_order,
@@ -173,8 +172,8 @@ class CudaBackend(Backend):
             )
         if problem.activation not in CUDA_ACTIVATIONS:
             return f"activation {problem.activation!r} is not one of {list(CUDA_ACTIVATIONS)}"
-        if problem.act_dtype not in (torch.bfloat16, torch.float16):
-            return f"activations must be bfloat16 or float16, not {problem.act_dtype}"
+        if reason := half_precision_reason(problem):
+            return reason
         if problem.apply_router_weight_on_input and problem.top_k != 1:
             return "apply_router_weight_on_input needs top_k == 1"
         for name, gs, k in (("w13", problem.group_size_w13, problem.hidden),

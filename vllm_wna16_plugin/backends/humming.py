@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from vllm_wna16_plugin import _vllm
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, half_precision_reason
 
 logger = _vllm.init_logger(__name__)
 
@@ -379,8 +379,8 @@ class HummingBackend(Backend):
             return f"needs an NVIDIA GPU (platform is {problem.platform})"
         if problem.sm is not None and problem.sm < 75:
             return f"needs sm75+, device is sm{problem.sm}"
-        if problem.act_dtype not in (torch.bfloat16, torch.float16):
-            return f"activations must be bf16 or fp16, got {problem.act_dtype}"
+        if reason := half_precision_reason(problem):
+            return reason
         if problem.act_dtype == torch.bfloat16 and problem.sm is not None and problem.sm < 80:
             return f"bf16 activations need sm80+, device is sm{problem.sm}"
         if problem.scheme.bits not in (4, 8):

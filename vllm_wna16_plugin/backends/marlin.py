@@ -7,7 +7,7 @@ whatever the checkpoint wrote (None or -1).
 
 from __future__ import annotations
 
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, half_precision_reason
 from vllm_wna16_plugin.packing import KernelWeights, from_kernel_layout, pack_along
 
 MARLIN_GROUP_SIZES = (32, 64, 128)
@@ -34,6 +34,8 @@ class MarlinBackend(Backend):
             return "Marlin MoE does not apply the router weight on the input"
         if problem.activation not in ("silu", "gelu"):
             return f"activation {problem.activation!r} is not supported"
+        if reason := half_precision_reason(problem):
+            return reason
         if problem.hidden % 128:
             return f"hidden size {problem.hidden} is not a multiple of 128"
         gs2 = _marlin_group(problem.group_size_w2, problem.intermediate)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, layer_kwargs, sort_act_order
+from vllm_wna16_plugin.backends.base import (
+    Backend,
+    KernelTensors,
+    MoEProblem,
+    half_precision_reason,
+    layer_kwargs,
+    sort_act_order,
+)
 
 TRITON_ACTIVATIONS = ("silu", "gelu")
 
@@ -32,6 +39,8 @@ class TritonBackend(Backend):
             return f"act order (desc_act with a non-trivial g_idx) cannot be sorted: {problem.act_order_issue}"
         if problem.activation not in TRITON_ACTIVATIONS:
             return f"activation {problem.activation!r} is not one of {list(TRITON_ACTIVATIONS)}"
+        if reason := half_precision_reason(problem):
+            return reason
         if problem.options.plan_only:  # doctor: judge the device described, not this machine
             return None
         try:

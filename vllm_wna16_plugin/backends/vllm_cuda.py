@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from vllm_wna16_plugin.activation import gated_activation
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, half_precision_reason
 from vllm_wna16_plugin.block_config import choose_cuda_block_config, cuda_group_reason, cuda_group_size
 
 
@@ -39,6 +39,8 @@ class VllmCudaBackend(Backend):
             return "act order (desc_act) is not supported"
         if problem.activation not in ("silu", "gelu"):
             return f"activation {problem.activation!r} is not supported"
+        if reason := half_precision_reason(problem):
+            return reason
         if problem.act_dtype == torch.bfloat16 and problem.sm is not None and problem.sm < 80:
             return f"bf16 needs sm80+ (device is sm{problem.sm}); vLLM's kernel returns zeros there"
         for name, gs, k in (

@@ -36,6 +36,7 @@ from vllm_wna16_plugin.kernels.options import PLAN_DEVICES
 from vllm_wna16_plugin.launch_plan import composable_with_humming, compose_with_humming
 from vllm_wna16_plugin.launch_plan import plan as launch_plan
 from vllm_wna16_plugin.oracle import collect_verdicts, select_backend
+from vllm_wna16_plugin.packing import check_packable
 from vllm_wna16_plugin.scheme import WNA16Scheme, not_an_int, type_name
 
 # --device: what each name is planned as (sm90 is the H200 whose tuned configs and crossovers ship)
@@ -196,16 +197,19 @@ def moe_layer_prefixes(cfg: Mapping, dims: MoEDims) -> tuple[dict[int, str], str
     return prefixes, f"{layout.prefix(0).replace('.0.', '.{i}.')} ({naming})"
 
 
-def moe_schemes(parsed: CheckpointQuantConfig, prefixes: Mapping[int, str]) -> tuple[MoESchemeLayers, ...]:
+def moe_schemes(
+    parsed: CheckpointQuantConfig, prefixes: Mapping[int, str], num_experts: int | None = None
+) -> tuple[MoESchemeLayers, ...]:
     """Each distinct scheme the routed-experts layers resolve to, in layer order.
 
     The same resolution loading uses (MoeWNA16PlusConfig.get_quant_method -> scheme_for(prefix,
     moe=True)), so dynamic rules, modules_in_block_to_quantize, modules_to_not_convert, ignore and
-    several config_groups give the plan loading will run; a layer loading refuses raises here too.
+    several config_groups give the plan loading will run; a layer loading refuses raises here too, rules
+    that single out some of its num_experts experts included (checkpoint_config.check_experts_alike).
     """
     by_scheme: dict[WNA16Scheme | None, list[int]] = {}
     for i, prefix in prefixes.items():
-        by_scheme.setdefault(parsed.scheme_for(prefix, moe=True), []).append(i)
+        by_scheme.setdefault(parsed.scheme_for(prefix, moe=True, num_experts=num_experts), []).append(i)
     return tuple(MoESchemeLayers(scheme, tuple(layers)) for scheme, layers in by_scheme.items())
 
 
@@ -355,9 +359,10 @@ def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90")
     parsed = parse_quantization_config(quant)
     dims = moe_dims(cfg)
     prefixes, naming = moe_layer_prefixes(cfg, dims)
-    groups = moe_schemes(parsed, prefixes)
-    for g in groups:  # TP-independent: the hidden size against each scheme's group size
+    groups = moe_schemes(parsed, prefixes, dims.experts)
+    for g in groups:  # TP-independent: the sizes against each scheme's packing and group size
         if g.scheme is not None:
+            check_packable(g.scheme.bits, dims.hidden, dims.intermediate, prefixes[g.layers[0]])
             effective_group_size(g.scheme, dims.hidden, layer=f"{prefixes[g.layers[0]]} (gate/up, K=hidden)")
     problem = _tp_problem(dims, groups, prefixes, tp)
     if problem is not None:

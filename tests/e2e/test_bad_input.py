@@ -4,7 +4,8 @@ LLM(...) and from `vllm serve`, before any kernel runs.
 The malformed quantization_config case is the GPTQ block with bits=3. It fails at config time
 with a message that names bits=3 and the supported widths. The missing-tensor case is one
 expert's down_proj scales deleted from the safetensors. It fails at load with the plugin's
-"is missing" message, which names the tensor.
+"is missing" message, which names the tensor. The sym-lie case is an asymmetric checkpoint whose
+config says `sym: true`: it fails at load naming the qzeros tensor and the fix.
 """
 
 from __future__ import annotations
@@ -38,7 +39,16 @@ def broken(tmp_path_factory):
     tensors = load_file(str(missing / MODEL_FILE))
     del tensors[MISSING]
     save_file(tensors, str(missing / MODEL_FILE), metadata={"format": "pt"})
-    return {"bits3": (bad_config, "bits=3"), "missing": (missing, MISSING)}
+    # real zero points under a config that says symmetric: a silently wrong layer if ignored
+    sym_lie = make_checkpoint(root / "sym-lie", **{**kw, "sym": False, "quantize_attention": False})
+    cfg = json.loads((sym_lie / "config.json").read_text())
+    cfg["quantization_config"]["sym"] = True
+    (sym_lie / "config.json").write_text(json.dumps(cfg, indent=2))
+    return {
+        "bits3": (bad_config, "bits=3"),
+        "missing": (missing, MISSING),
+        "sym-lie": (sym_lie, 'this checkpoint stores real zero points; set "sym": false'),
+    }
 
 
 def _no_kernel_trace(log: str) -> None:
@@ -46,7 +56,7 @@ def _no_kernel_trace(log: str) -> None:
         assert marker not in log, f"failed inside a kernel ({marker}) instead of at load"
 
 
-@pytest.mark.parametrize("case", ["bits3", "missing"])
+@pytest.mark.parametrize("case", ["bits3", "missing", "sym-lie"])
 def test_llm_shows_the_plugins_message(broken, tmp_path, case):
     path, needle = broken[case]
     run = run_llm(path, tmp_path, eager=True)
@@ -55,7 +65,7 @@ def test_llm_shows_the_plugins_message(broken, tmp_path, case):
     _no_kernel_trace(run.log)
 
 
-@pytest.mark.parametrize("case", ["bits3", "missing"])
+@pytest.mark.parametrize("case", ["bits3", "missing", "sym-lie"])
 def test_vllm_serve_shows_the_plugins_message_and_exits(broken, case):
     path, needle = broken[case]
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(path), "--quantization", "moe_wna16_plus",

@@ -50,8 +50,8 @@ consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, grou
               USE_TD=False, USE_TD_GATHER=False, SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
               compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk,
               GROUP_SIZE_M=1, FOLD_SCALES=bool(fold), REDUCE_EACH_STEP=bool(fold) or bk > fused_moe.PAIR_ACC_MAX_K,
-              SPLIT_NIBBLES=fold in (1, 4), WORD_NIBBLES=fold == 2, SWAP_AB=fold in (3, 4), HAS_A_PERM=False)
-# `fold`: the form (per pair: 1 folded; tl.dot: 1 split, 2 words, 3 interleaved swapped, 4 split swapped)
+              SPLIT_NIBBLES=fold in (1, 4), WORD_NIBBLES=fold in (2, 5), SWAP_AB=fold in (3, 4, 5), HAS_A_PERM=False)
+# `fold`: the form (per pair: 1 folded; tl.dot: 1 split, 2 words, 3/4/5 interleaved/split/words swapped)
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 sig, attrs = {}, {}
 for i, name in enumerate(kernel.arg_names):
@@ -92,8 +92,8 @@ def disassemble(cubin: str) -> str:
 
 def triton_rows(tmp: str) -> list[str]:
     rows = []
-    # (label, bits, per pair, form (per pair: 1 folded; tl.dot: 1 split nibbles, 2 word nibbles, 3 interleaved
-    # and swapped, 4 split and swapped: TritonMoEConfig.swap_ab), BLOCK_M, BLOCK_N, BLOCK_K, warps)
+    # (label, bits, per pair, form (per pair: 1 folded; tl.dot: 1 split nibbles, 2 word nibbles, 3/4/5 the
+    # interleaved/split/words forms swapped: TritonMoEConfig.swap_ab), BLOCK_M, BLOCK_N, BLOCK_K, warps)
     for label, *cfg in [
         ("per-pair tile 1x64x256", 4, 1, 0, 1, 64, 256, 4),
         ("per-pair folded 1x64x256", 4, 1, 1, 1, 64, 256, 4),
@@ -111,6 +111,8 @@ def triton_rows(tmp: str) -> list[str]:
         ("tl.dot interleaved 16x128x128", 4, 0, 0, 16, 128, 128, 4),
         ("tl.dot swapped interleaved 16x128x128", 4, 0, 3, 16, 128, 128, 4),
         ("tl.dot swapped split 16x128x128", 4, 0, 4, 16, 128, 128, 4),
+        ("tl.dot swapped words 16x128x128", 4, 0, 5, 16, 128, 128, 4),
+        ("tl.dot swapped words 16x128x256", 4, 0, 5, 16, 128, 256, 4),
         ("tl.dot swapped interleaved 16x64x128", 4, 0, 3, 16, 64, 128, 4),
         ("tl.dot swapped interleaved 32x128x64", 4, 0, 3, 32, 128, 64, 4),
         ("tl.dot interleaved 64x128x64 (8 warps)", 4, 0, 0, 64, 128, 64, 8),

@@ -559,8 +559,10 @@ def test_dot_form_policy(nibbles, bits, cfg, td, want):
 # before the routed weight and the store. (M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, options)
 SWAP = KernelOptions(swap_ab=True)
 SWAP_CASES = [
-    # forced by the options on an unswapped config; BLOCK_K 128: "auto" asks for words, a swapped tile runs split
-    pytest.param(5, 256, 64, 4, 2, 4, 64, 64, True, BF16, Cfg(16, 64, 128), SWAP, id="int4-asym-gs64-options"),
+    # forced by the options on an unswapped config; BLOCK_K 128: "auto" gives the words form, and split
+    pytest.param(5, 256, 64, 4, 2, 4, 64, 64, True, BF16, Cfg(16, 64, 128), SWAP, id="int4-asym-gs64-words"),
+    pytest.param(5, 256, 64, 4, 2, 4, 64, 64, True, FP16, Cfg(16, 64, 128), KernelOptions(swap_ab=True,
+                 dot_nibbles="split"), id="int4-asym-gs64-split-fp16"),  # fmt: skip
     # K=1344 at gs32 (a 64-wide K tail on GEMM1), the interleaved form
     pytest.param(
         3,
@@ -661,9 +663,10 @@ def test_swap_policy():
         Cfg(16, 32, 64, swap_ab=1)
     with pytest.raises(ValueError, match="swap_ab='yes' must be None, True or False"):
         KernelOptions(swap_ab="yes")
-    # a swapped tile never takes the words form (its eight dots accumulate C, not C.T)
-    assert configs.dot_form(4, Cfg(16, 64, 256, swap_ab=True), 256, True, False, "auto") == "split"
-    assert configs.dot_form(4, Cfg(16, 64, 256, swap_ab=True), 256, True, False, "words") == "split"
+    # the dot form is chosen as for the plain tile (each form's dots swap alike)
+    for form in ("auto", "words", "split", "interleave"):
+        plain = configs.dot_form(4, Cfg(16, 64, 256), 256, True, False, form)
+        assert configs.dot_form(4, Cfg(16, 64, 256, swap_ab=True), 256, True, False, form) == plain
     # the JSON entry names it only when set, and reads back
     assert "swap_ab" not in Cfg(16, 64, 128).to_dict()
     entry = Cfg(16, 64, 128, swap_ab=True).to_dict()
@@ -1021,6 +1024,7 @@ def test_wide_k_per_pair_kernel_compiles_for_sm90(even_k):
     [
         pytest.param(16, 128, 0, id="16x128-interleave"),
         pytest.param(16, 128, 1, id="16x128-split"),
+        pytest.param(16, 128, 2, id="16x128-words"),
         pytest.param(32, 64, 0, id="32x64-interleave"),
     ],
 )

@@ -154,7 +154,7 @@ class KernelOptions:
       act_order.py, then GEMM1 reads a row per pair, as the CUDA layer does). "load" cost the H200 +0-15% at
       M=1 but +11-121% from M=16 against the same layer without act order (2026-12-05-c410069-ao); "rows"
       is not yet timed, so "load" stays the default (bench_moe.py: plugin-triton-auto-rows-ao).
-    swap_ab: the Triton tl.dot tile as C.T = dequant(B) @ A.T (configs.swap_form, fused_moe._tile_dot):
+    swap_ab: the Triton tl.dot tile as C.T = dequant(B) @ A.T (configs.swap_form, dequant._tile_dot):
       None = each config's own swap_ab (a tuner's measured opinion; False in every shipped table), True =
       every tile of BLOCK_SIZE_M >= 16, False = none. The swapped form is for sm90's wgmma, which needs
       64 rows of the M operand but takes 8-256 of N: 16-64 routed tokens per expert fit N, the weight

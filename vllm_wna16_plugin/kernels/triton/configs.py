@@ -43,7 +43,7 @@ class TritonMoEConfig:
     # a tuned cap on registers per thread (ptxas .maxnreg, CUDA only): more programs per SM for a tile
     # whose registers, not its shared memory, bound the occupancy; None = the compiler's choice
     maxnreg: int | None = None
-    # a tuned opinion on the swapped tile (fused_moe._tile_dot): the weight tile as the MMA's M operand,
+    # a tuned opinion on the swapped tile (dequant._tile_dot): the weight tile as the MMA's M operand,
     # the token rows as its N (wgmma on sm90 at 16-64 tokens per expert); BLOCK_SIZE_M >= 16 only
     swap_ab: bool = False
 
@@ -232,7 +232,6 @@ def _use_word_nibbles(bits: int, config: TritonMoEConfig, K: int, rows_on_words:
     tile that fits the registers (word_tile_fits)."""
     return (
         bits == 4
-        and not config.swap_ab  # the words form's eight dots accumulate (BLOCK_M, BLOCK_N) only
         and config.BLOCK_SIZE_K >= 128
         and K % 8 == 0
         and not use_td_b

@@ -181,17 +181,27 @@ def _folded_dot_step(
 
 
 @triton.jit
-def _dot_f32_or_native(a, w, acc, INTERPRET_BF16: tl.constexpr):
-    """acc + a @ w.T; the bf16 interpreter multiplies in float32 (it has no bf16 dot)."""
+def _tile_dot(acc, a, w, SWAP_AB: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """One dot of the tl.dot kernel: acc + a @ w.T, acc (BLOCK_M, BLOCK_N); under SWAP_AB the same product
+    transposed, acc + w @ a.T with acc (BLOCK_N, BLOCK_M). The bf16 interpreter multiplies in float32 (its
+    dot reads bf16 operands as raw bits).
+
+    SWAP_AB puts the dequantized weight tile (BLOCK_N rows, in registers) in the MMA's M operand and the few
+    routed token rows in its N: sm90's wgmma needs 64 rows of M per warpgroup but takes N from 8, so a
+    16-token tile runs on wgmma with B's 64-128 rows instead of mma.sync (TritonMoEConfig.swap_ab)."""
     if INTERPRET_BF16:
-        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc=acc)
-    return tl.dot(a, tl.trans(w), acc=acc)
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(a), acc=acc)
+    else:
+        return tl.dot(a, tl.trans(w), acc=acc)
 
 
 @triton.jit
 def _word_shift_dots(
     acc, a_s, words, SHIFT: tl.constexpr, scale, zero, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-    GROUPS: tl.constexpr, compute_type: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    GROUPS: tl.constexpr, compute_type: tl.constexpr, INTERPRET_BF16: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """The two dots of nibble s = SHIFT / 4 of every word: k = 8i + s (low half) and 8i + 4 + s (high).
 
@@ -209,8 +219,8 @@ def _word_shift_dots(
         offset = zero + _magic_value(compute_type)
         w_lo = _scale_offset_tile(w_lo, scale, offset, BLOCK_N, WORDS, GROUPS, compute_type)
         w_hi = _scale_offset_tile(w_hi, scale, offset, BLOCK_N, WORDS, GROUPS, compute_type)
-    acc = _dot_f32_or_native(a_lo, w_lo, acc, INTERPRET_BF16)
-    return _dot_f32_or_native(a_hi, w_hi, acc, INTERPRET_BF16)
+    acc = _tile_dot(acc, a_lo, w_lo, SWAP_AB, INTERPRET_BF16)
+    return _tile_dot(acc, a_hi, w_hi, SWAP_AB, INTERPRET_BF16)
 
 
 @triton.jit
@@ -232,7 +242,7 @@ def _magic_value(compute_type: tl.constexpr):
 
 @triton.jit
 def _word_nibble_dots(
-    acc,  # (BLOCK_M, BLOCK_N) float32
+    acc,  # (BLOCK_M, BLOCK_N) float32; (BLOCK_N, BLOCK_M) under SWAP_AB
     a,  # (BLOCK_M, BLOCK_K) compute dtype, 0 past K
     words,  # (BLOCK_N, BLOCK_K // 8) uint32: int4 B as 32-bit words of 8 values
     scale,  # (BLOCK_N, GROUPS) float32
@@ -243,8 +253,10 @@ def _word_nibble_dots(
     GROUPS: tl.constexpr,
     compute_type: tl.constexpr,
     INTERPRET_BF16: tl.constexpr,
+    SWAP_AB: tl.constexpr,  # the swapped tile (_tile_dot)
 ):
-    """acc + a @ dequant(B).T over one K tile, int4 B unpacked from whole words (KernelOptions.dot_nibbles = "words").
+    """acc + a @ dequant(B).T over one K tile, int4 B unpacked from whole words (KernelOptions.dot_nibbles = "words");
+    under SWAP_AB its transpose (_tile_dot).
 
     Word i holds k = 8i + t in bits 4t .. 4t+3 (packing.py: low nibble first). One shift and one and
     per word give the nibbles s and 4 + s of it in the two 16-bit halves, so B splits into eight
@@ -258,7 +270,15 @@ def _word_nibble_dots(
     a_s0_0, a_s0_1 = tl.split(a5)  # (m, i, h, s1)
     a_s0, a_s2 = tl.split(a_s0_0)  # s = 0, 2: (m, i, h)
     a_s1, a_s3 = tl.split(a_s0_1)  # s = 1, 3
-    acc = _word_shift_dots(acc, a_s0, words, 0, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16)
-    acc = _word_shift_dots(acc, a_s1, words, 4, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16)
-    acc = _word_shift_dots(acc, a_s2, words, 8, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16)
-    return _word_shift_dots(acc, a_s3, words, 12, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16)
+    acc = _word_shift_dots(
+        acc, a_s0, words, 0, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16, SWAP_AB
+    )
+    acc = _word_shift_dots(
+        acc, a_s1, words, 4, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16, SWAP_AB
+    )
+    acc = _word_shift_dots(
+        acc, a_s2, words, 8, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16, SWAP_AB
+    )
+    return _word_shift_dots(
+        acc, a_s3, words, 12, scale, zero, BLOCK_N, WORDS, GROUPS, compute_type, INTERPRET_BF16, SWAP_AB
+    )

@@ -43,6 +43,7 @@ from vllm_wna16_plugin.kernels.triton.dequant import (
     _dequant_b_tile,
     _folded_dot_step,
     _round_to,
+    _tile_dot,
     _unpack_b_tile,
     _unpack_zero_points,
     _word_nibble_dots,
@@ -219,23 +220,6 @@ def _dequant_k_step(
 
 
 @triton.jit
-def _tile_dot(acc, a, w, SWAP_AB: tl.constexpr, INTERPRET_BF16: tl.constexpr):
-    """One K step of the tl.dot kernel: acc + a @ w.T, acc (BLOCK_M, BLOCK_N); under SWAP_AB the same
-    product transposed, acc + w @ a.T with acc (BLOCK_N, BLOCK_M).
-
-    SWAP_AB puts the dequantized weight tile (BLOCK_N rows, in registers) in the MMA's M operand and the
-    few routed token rows in its N: sm90's wgmma needs 64 rows of M per warpgroup but takes N from 8,
-    so a 16-token tile can run on wgmma with B's 64-128 rows instead of mma.sync (KernelOptions.swap_ab)."""
-    if INTERPRET_BF16:  # the interpreter's bf16 dot multiplies raw bits: upcast the rounded tiles (_interpret_bf16)
-        a = a.to(tl.float32)
-        w = w.to(tl.float32)
-    if SWAP_AB:
-        return tl.dot(w, tl.trans(a), acc=acc)
-    else:
-        return tl.dot(a, tl.trans(w), acc=acc)
-
-
-@triton.jit
 def _store_c(c_ptrs, acc, c_mask, SPLIT_K: tl.constexpr, compute_type: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """SPLIT_K == 1: the finished tile in compute_type; else this slice's float32 partial."""
     if SPLIT_K == 1:
@@ -295,7 +279,7 @@ def _fused_moe_wna16_kernel(
     SPLIT_NIBBLES: tl.constexpr,  # int4: two half-K dots instead of interleaving the nibbles (KernelOptions.dot_nibbles)
     WORD_NIBBLES: tl.constexpr,  # int4: B as 32-bit words, eight dots of K/8 (dot_nibbles "words"; pointer path)
     HAS_A_PERM: tl.constexpr,  # act order: K row k of A is column a_perm[e, k] (never with USE_TD_GATHER)
-    SWAP_AB: tl.constexpr,  # accumulate C.T = dequant(B) @ A.T (_tile_dot); never with WORD_NIBBLES
+    SWAP_AB: tl.constexpr,  # accumulate C.T = dequant(B) @ A.T (dequant._tile_dot), in every dot form
 ):
     """C[p, :] = (w_p if MUL_ROUTED_WEIGHT) * A[p // top_k] @ dequant(B[e_p]).T for routed pairs p.
 
@@ -375,7 +359,7 @@ def _fused_moe_wna16_kernel(
                 stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
             )  # fmt: skip
             acc = _word_nibble_dots(acc, a, words, scale, zero, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUPS,
-                                    compute_type, INTERPRET_BF16)  # fmt: skip
+                                    compute_type, INTERPRET_BF16, SWAP_AB)  # fmt: skip
         elif SPLIT_NIBBLES:
             # int4 without the interleave: low nibbles (even k) and high nibbles (odd k) each
             # dequantize to a (BLOCK_N, BLOCK_K / 2) tile, and meet the even and odd columns of A in

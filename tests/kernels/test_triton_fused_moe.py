@@ -561,8 +561,21 @@ SWAP = KernelOptions(swap_ab=True)
 SWAP_CASES = [
     # forced by the options on an unswapped config; BLOCK_K 128: "auto" gives the words form, and split
     pytest.param(5, 256, 64, 4, 2, 4, 64, 64, True, BF16, Cfg(16, 64, 128), SWAP, id="int4-asym-gs64-words"),
-    pytest.param(5, 256, 64, 4, 2, 4, 64, 64, True, FP16, Cfg(16, 64, 128), KernelOptions(swap_ab=True,
-                 dot_nibbles="split"), id="int4-asym-gs64-split-fp16"),  # fmt: skip
+    pytest.param(
+        5,
+        256,
+        64,
+        4,
+        2,
+        4,
+        64,
+        64,
+        True,
+        FP16,
+        Cfg(16, 64, 128),
+        KernelOptions(swap_ab=True, dot_nibbles="split"),
+        id="int4-asym-gs64-split-fp16",
+    ),  # fmt: skip
     # K=1344 at gs32 (a 64-wide K tail on GEMM1), the interleaved form
     pytest.param(
         3,

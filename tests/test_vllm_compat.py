@@ -213,3 +213,13 @@ def test_ledger_names_every_vllm_symbol_module():
     missing = [m for m in modules if m.split(".")[-1] not in ledger and m.removeprefix("vllm.") not in ledger]
     assert not missing, missing
     json.dumps(sorted(modules))  # the list stays printable in the failure above
+
+
+def test_the_plugins_variable_wins_over_moe_backend_and_says_so():
+    from vllm_wna16_plugin.oracle import ENV_BACKEND, resolve_request
+
+    env = {ENV_BACKEND: "reference"}
+    assert resolve_request("auto", env=env) == ("reference", ENV_BACKEND)
+    assert resolve_request("emulation", env=env) == ("reference", ENV_BACKEND)  # the same backend: nothing to say
+    assert resolve_request("deep_gemm", env=env) == ("reference", f"{ENV_BACKEND} (over --moe-backend=deep_gemm)")
+    assert resolve_request("Triton", env=env) == ("reference", f"{ENV_BACKEND} (over --moe-backend=triton)")

@@ -38,7 +38,11 @@ def _load(path: Path) -> dict[str, dict]:
     if not path.is_file():
         return {}
     table = json.loads(path.read_text())
+    if not isinstance(table, dict):
+        raise ValueError(f"{path.name}: a crossover table is a JSON object of layer keys, not {type(table).__name__}")
     for key, entry in table.items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path.name}: entry {key!r} must be an object with cuda_m_ranges, got {entry!r}")
         table[key] = {**entry, "cuda_m_ranges": _entry_ranges(path.name, key, entry)}
     return table
 
@@ -137,12 +141,16 @@ def measured_crossover(times: dict[int, tuple[float, float]]) -> int:
 
 def write_crossovers(entries: dict[str, dict], device_name: str, crossover_dir: Path | None = None) -> Path:
     """Merge {key: {"cuda_m_ranges": [[lo, hi], ...], "source": ...}} into the device's file; returns its path."""
+    from vllm_wna16_plugin.user_tables import logger, write_atomically
+
     path = crossover_file(device_name, crossover_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        table = dict(_load(path)) if path.is_file() else {}
+    except (ValueError, RecursionError) as exc:  # a damaged table is replaced, not a run's results lost
+        logger.warning("moe_wna16_plus: replacing the damaged crossover table %s (%s)", path, exc)
+        table = {}
     table.update(entries)
-    from vllm_wna16_plugin.user_tables import write_atomically
-
     write_atomically(path, json.dumps(dict(sorted(table.items())), indent=2) + "\n")
     _load.cache_clear()
     return path

@@ -361,8 +361,13 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             import os
 
             from vllm_wna16_plugin.backends.humming import ENV_COMPOSE, compose_setting
+            from vllm_wna16_plugin.kernels.triton.td_gate import td_request_from_env
+            from vllm_wna16_plugin.user_tables import use_tuned
 
-            compose_setting(os.environ.get(ENV_COMPOSE))  # a bad value is refused before any weight is read
+            # the plugin's variables: a bad value is refused before any weight is read, not at the first forward
+            compose_setting(os.environ.get(ENV_COMPOSE))
+            td_request_from_env()
+            use_tuned()
             if not hasattr(self, "memory_utilization"):  # read in create_weights, inside the engine's config
                 self.memory_utilization = _vllm.gpu_memory_utilization()
             requested, source = resolve_request(_vllm.layer_moe_backend(layer))

@@ -43,6 +43,7 @@ def make_problem(
 
     group_size: the checkpoint's (-1: channel-wise), or a (GEMM1, GEMM2) pair where a TP split regrouped
     GEMM2 (the scheme keeps GEMM1's)."""
+    activation = getattr(activation, "value", activation)  # vLLM's MoEActivation enum, as the layer path reads it
     if topk_weights is None:  # callers that plan without routing weights (tests, the crossover)
         topk_weights = torch.empty(topk_ids.shape, dtype=torch.float32, device=topk_ids.device)
     shape = check_layer_tensors(

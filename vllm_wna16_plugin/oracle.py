@@ -59,11 +59,12 @@ def resolve_request(moe_backend: str | None, env: dict[str, str] | None = None) 
     env = os.environ if env is None else env
     names = list(registry())
     plugin_choice = env.get(ENV_BACKEND, "").strip().lower()
-    if plugin_choice and plugin_choice != "auto":
-        if plugin_choice not in names:
-            raise ValueError(f"{ENV_BACKEND}={plugin_choice!r} is not a backend; supported: {['auto'] + names}")
-        return plugin_choice, ENV_BACKEND
+    if plugin_choice and plugin_choice != "auto" and plugin_choice not in names:
+        raise ValueError(f"{ENV_BACKEND}={plugin_choice!r} is not a backend; supported: {['auto'] + names}")
     choice = (moe_backend or "auto").strip().lower().replace("-", "_")
+    if plugin_choice and plugin_choice != "auto":  # the plugin's variable wins; the selection log says over what
+        overridden = choice != "auto" and VLLM_BACKEND_NAMES.get(choice) != plugin_choice
+        return plugin_choice, ENV_BACKEND + (f" (over --moe-backend={choice})" if overridden else "")
     if choice not in VLLM_BACKEND_NAMES:
         from vllm_wna16_plugin import _vllm
 

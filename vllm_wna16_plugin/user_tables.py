@@ -42,6 +42,20 @@ def tuned_root(environ=None) -> Path:
     return Path(cache) / "vllm-wna16-plugin" / "tuned"
 
 
+def use_tuned(environ=None) -> bool:
+    """VLLM_WNA16_PLUS_TUNED: unset, 1/true/yes/on read the user's tables, 0/false/no/off ignore them; any other
+    value is a ValueError naming the variable (checked when a layer is built, moe_method._select)."""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_USE, "1").strip().lower()
+    if value in ("1", "true", "yes", "on", ""):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(
+        f"{ENV_USE}={env.get(ENV_USE)!r}: use 1 (read the tables vllm-wna16 tune wrote) or 0 (ignore them)"
+    )
+
+
 def _safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
 
@@ -50,7 +64,7 @@ def tuned_dir(device: DeviceSpec, environ=None, *, must_exist: bool = True) -> P
     """This device's directory of user-tuned tables, or None: no device name or driver version (a device
     only described, e.g. doctor's sm90), VLLM_WNA16_PLUS_TUNED=0, or (must_exist) nothing tuned yet."""
     env = os.environ if environ is None else environ
-    if env.get(ENV_USE, "1").strip() == "0" or not device.name or not device.driver:
+    if not use_tuned(env) or not device.name or not device.driver:
         return None
     path = tuned_root(env) / _safe(device.name) / f"driver-{_safe(device.driver)}" / f"plugin-{_safe(__version__)}"
     if must_exist:
@@ -71,7 +85,7 @@ def read_safely(load: Callable[[], T], what: str) -> T | None:
     an entry this plugin no longer takes. The shipped tables are read without this: a bad one is a bug."""
     try:
         return load()
-    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+    except Exception as exc:  # noqa: BLE001 - a user's file never stops serving: JSON, shape, type, depth errors
         if what not in _refused:
             _refused.add(what)
             logger.warning("moe_wna16_plus: ignoring the tuned table %s (%s); the shipped tables are used. "
@@ -104,5 +118,6 @@ __all__ = [
     "read_safely",
     "tuned_dir",
     "tuned_root",
+    "use_tuned",
     "write_atomically",
 ]

@@ -164,8 +164,11 @@ def test_env_request(value, want):
 
 
 def test_env_request_rejects_garbage():
-    with pytest.raises(ValueError, match=r"VLLM_TRITON_USE_TD='yes' is not understood"):
-        td_request_from_env({td_gate.ENV_VAR: "yes"})
+    with pytest.raises(ValueError, match=r"VLLM_TRITON_USE_TD='maybe' is not understood"):
+        td_request_from_env({td_gate.ENV_VAR: "maybe"})
+    # the usual spellings, any case (as the plugin's other switches read them)
+    for value, want in (("yes", True), (" TRUE ", True), ("On", True), ("no", False), ("OFF", False), ("", None)):
+        assert td_request_from_env({td_gate.ENV_VAR: value}) is want, value
 
 
 def test_launcher_reads_env_when_use_td_is_none(monkeypatch):

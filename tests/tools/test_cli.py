@@ -139,3 +139,73 @@ def test_usage_error_exits_2(capsys):
         main(["make-checkpoint", "out", "--format", "exl2"])
     assert exit_.value.code == EXIT_ERROR
     assert "invalid choice: 'exl2'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, verb",
+    [
+        (["make-checkpoint", "out", "--format", "exl2"], "make-checkpoint"),
+        (["doctor"], "doctor"),
+        (["doctor", "d", "--tp", "two"], "doctor"),
+        (["doctor", "d", "--frob"], "doctor"),
+        (["frobnicate"], None),
+        ([], None),
+    ],
+)
+def test_usage_errors_are_one_line_naming_the_verb(capsys, argv, verb):
+    """argparse's usage block and error were 2-14 lines; the epilog promises one (a bad-input sweep)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == EXIT_ERROR
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1, err
+    prog = "vllm-wna16" + (f" {verb}" if verb else "")
+    assert err.startswith(f"{prog}: error: ") and err.strip().endswith(f"(see {prog} --help)"), err
+
+
+def test_make_checkpoint_never_writes_into_another_models_directory(tmp_path, capsys):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    (other / "model.safetensors.index.json").write_text("{}")
+    assert main(["make-checkpoint", str(other), "--format", "gptq"]) == EXIT_ERROR
+    line = error_line(capsys, "make-checkpoint")
+    assert "files that vllm-wna16 make-checkpoint did not write" in line and "--force" in line
+    assert (other / "config.json").read_text() == "{}"
+    assert main(["make-checkpoint", "", "--format", "gptq"]) == EXIT_ERROR
+    assert "OUT is empty" in error_line(capsys, "make-checkpoint")
+    # its own earlier output, an empty directory, and --force are written
+    ours = tmp_path / "ours"
+    for _ in range(2):
+        assert main(["make-checkpoint", str(ours), "--format", "gptq", "--hidden", "128", "--intermediate", "128",
+                     "--experts", "2", "--layers", "1"]) == 0  # fmt: skip
+    assert main(["make-checkpoint", str(other), "--format", "awq", "--hidden", "128", "--intermediate", "128",
+                 "--experts", "2", "--layers", "1", "--force"]) == 0  # fmt: skip
+    capsys.readouterr()
+
+
+def test_make_checkpoint_seed_out_of_range_names_the_flag(tmp_path, capsys):
+    assert main(["make-checkpoint", str(tmp_path / "ck"), "--format", "gptq", "--seed", str(2**70)]) == EXIT_ERROR
+    assert "--seed 1180591620717411303424 is out of range" in error_line(capsys, "make-checkpoint")
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("value, shown", [("false", False), ("off", False), ("0", False), ("yes", True), ("1", True)])
+def test_debug_switch_reads_the_usual_spellings(value, shown):
+    from vllm_wna16_plugin.tools.cli import debug_on
+
+    assert debug_on({DEBUG_ENV: value}) is shown
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(checkpoint):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "vllm_wna16_plugin.tools.cli", "doctor", str(checkpoint)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    proc.stdout.read(10)
+    proc.stdout.close()  # `| head -c 10`
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and "error" not in err, err

@@ -427,3 +427,23 @@ def test_doctor_says_which_batch_sizes_humming_takes_where_installed(gs32_k2048,
     assert "no (the Humming rule does not speak for it: measured on sm90 only" in plan(tmp_path, tp=1, device="sm80")
     # E=8 experts of about 0.9 MB: no batch reads 20 MB
     assert "composed with Humming: no (Humming would take none of its batch sizes)" in plan(gs32_k2048, device="sm90")
+
+
+def test_doctor_reads_the_plugins_variables_as_loading_does(gs32_k2048, monkeypatch):
+    """Found by a bad-input sweep: doctor printed auto's choice and exit 0 under a backend or setting that
+    loading refuses. It now checks each variable and plans the backend asked for."""
+    monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", "garbage")
+    with pytest.raises(ValueError, match=r"VLLM_WNA16_PLUS_BACKEND='garbage' is not a backend"):
+        plan(gs32_k2048)
+    monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", "reference")
+    text = plan(gs32_k2048)
+    assert "backend on sm90 (VLLM_WNA16_PLUS_BACKEND=reference): reference" in text, text
+    monkeypatch.delenv("VLLM_WNA16_PLUS_BACKEND")
+    for name, value, message in (("VLLM_WNA16_PLUS_HUMMING", "maybe", "VLLM_WNA16_PLUS_HUMMING='maybe'"),
+                                 ("VLLM_TRITON_USE_TD", "perhaps", "VLLM_TRITON_USE_TD='perhaps' is not understood"),
+                                 ("VLLM_WNA16_PLUS_TUNED", "banana", "VLLM_WNA16_PLUS_TUNED='banana'")):  # fmt: skip
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            plan(gs32_k2048)
+        monkeypatch.delenv(name)
+    assert "backend on sm90 (auto): " in plan(gs32_k2048)

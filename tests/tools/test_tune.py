@@ -146,8 +146,96 @@ def test_a_damaged_user_table_is_ignored_and_the_shipped_ones_serve(tmp_path, mo
     assert all(g.source.startswith("default_config") for g in p.gemms)
 
 
+@pytest.mark.parametrize(
+    "crossover_text, configs_text",
+    [
+        pytest.param("[1]", "null", id="not-objects"),
+        pytest.param('{"E=4,H=128,I=64,group_size=32,bits=4": [1, 2]}', '{"1": [16, 32]}', id="entries-not-objects"),
+        pytest.param(
+            '{"other-layer": null}',
+            '{"0": {"BLOCK_SIZE_M": 1, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64}}',
+            id="null-entry-and-m-0",
+        ),  # fmt: skip
+        pytest.param(
+            "[" * 100000 + "]" * 100000,
+            '{"1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1.5}}',
+            id="deep-and-float",
+        ),  # fmt: skip
+        pytest.param(
+            "{}",
+            '{"1": {"BLOCK_SIZE_M": true, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 64, "num_warps": 4.0}}',
+            id="bool-and-float-fields",
+        ),  # fmt: skip
+        pytest.param("{}", '{"1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 4096, "BLOCK_SIZE_K": 64}}', id="huge-tile"),
+    ],
+)
+def test_user_tables_of_any_shape_never_stop_serving(tmp_path, monkeypatch, crossover_text, configs_text):
+    """Found by a bad-input sweep: JSON that parses but is not a table (a list, null, nested too deep, fields of
+    the wrong type) raised AttributeError / TypeError / RecursionError at the first plan, i.e. the first forward."""
+    from vllm_wna16_plugin.kernels.triton import configs
+
+    monkeypatch.setenv(user_tables.ENV_DIR, str(tmp_path))
+    root = user_tables.tuned_dir(GPU_X, must_exist=False)
+    (root / "crossover").mkdir(parents=True)
+    (root / "configs").mkdir()
+    (root / "crossover" / "GPU_X.json").write_text(crossover_text)
+    (root / "configs" / configs.config_file_name(4, 128, 128, 32, 4, "GPU X")).write_text(configs_text)
+    (root / "configs" / configs.config_file_name(4, 64, 128, 32, 4, "GPU X")).write_text(configs_text)
+    key = crossover.layer_key(4, 128, 64, 32, 4)
+    assert crossover.device_ranges(key, GPU_X) == ((), "crossover/GPU_X.json")
+    p = triton_plan(small_problem(), 1, GPU_X)
+    assert all(g.source.startswith("default_config") for g in p.gemms)
+
+
+def test_the_tuned_switch_reads_the_usual_spellings_and_refuses_others(monkeypatch):
+    monkeypatch.setenv(user_tables.ENV_DIR, "/nonexistent")
+    for value, want in (("0", False), ("false", False), ("OFF", False), ("no", False), ("1", True), ("yes", True)):
+        assert user_tables.use_tuned({user_tables.ENV_USE: value}) is want, value
+    with pytest.raises(ValueError, match=r"VLLM_WNA16_PLUS_TUNED='banana': use 1 .* or 0"):
+        user_tables.use_tuned({user_tables.ENV_USE: "banana"})
+
+
 def test_tables_are_written_in_one_rename(tmp_path):
     path = tmp_path / "t.json"
     user_tables.write_atomically(path, "{}\n")
     user_tables.write_atomically(path, '{"a": 1}\n')
     assert json.loads(path.read_text()) == {"a": 1} and [p.name for p in tmp_path.iterdir()] == ["t.json"]
+
+
+def test_a_damaged_existing_table_is_replaced_by_the_runs_winners(tmp_path, monkeypatch):
+    """A run's results are written even where the table it merges into is damaged (they used to be lost after
+    the whole budget: TypeError / AttributeError / JSON errors in write_tables)."""
+    from vllm_wna16_plugin.kernels.triton import configs
+
+    monkeypatch.setenv(user_tables.ENV_DIR, str(tmp_path))
+    root = user_tables.tuned_dir(GPU_X, must_exist=False)
+    (root / "crossover").mkdir(parents=True)
+    (root / "configs").mkdir()
+    (root / "crossover" / "GPU_X.json").write_text("[1]")
+    for n, k in ((128, 128), (128, 64)):
+        (root / "configs" / configs.config_file_name(4, n, k, 32, 4, "GPU X")).write_text('{"abc": [1]}')
+    problem = small_problem()
+
+    def timer(fns):
+        return 10.0
+
+    results = tune.tune_problem(problem, [1], GPU_X, torch.device("cpu"), timer=timer, budget_s=600,
+                                max_candidates=1, progress=lambda line: None)  # fmt: skip
+    written = tune.write_tables(problem, results, GPU_X, tune._record(problem, GPU_X, results))
+    table = json.loads((written / "configs" / configs.config_file_name(4, 128, 128, 32, 4, "GPU X")).read_text())
+    assert list(table) == ["1"] and configs.TritonMoEConfig(**table["1"]) == results[0].best[0]
+    # the crossover (written where cuda was timed, a GPU run): merged into a damaged table, it replaces it
+    entry = {"cuda_m_ranges": [[1, 2]], "source": "test"}
+    path = crossover.write_crossovers({"k": entry}, "GPU X", written / "crossover")
+    assert json.loads(path.read_text()) == {"k": entry}
+
+
+def test_cli_tune_refuses_reps_and_budget_that_cannot_time(tmp_path, capsys):
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, hidden=256, intermediate=128,
+                           experts=4, top_k=2, layers=1)  # fmt: skip
+    for flag, message in (("--reps=0", "--reps=0: the replays per time"), ("--budget-s=nan", "--budget-s=nan"),
+                          ("--budget-s=-5", "--budget-s=-5.0: the exploration budget")):  # fmt: skip
+        assert main(["tune", str(ckpt), flag]) == 2
+        assert message in capsys.readouterr().err

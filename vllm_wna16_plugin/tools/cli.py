@@ -9,8 +9,9 @@ The exit status follows grep's and diff's convention:
     2  it could not run: a usage error (argparse), or an error (user_errors()): a missing,
        unreadable or corrupt file, a broken config.json, a checkpoint or value the plugin refuses
 
-With VLLM_WNA16_DEBUG=1 the error is raised with its traceback instead. Any other
-exception is a bug and keeps its traceback.
+With VLLM_WNA16_DEBUG=1 (or true/yes/on) the error is raised with its traceback instead. Any other
+exception is a bug and keeps its traceback. A reader that stops early (`vllm-wna16 doctor DIR | head`)
+ends the command quietly.
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ EPILOG = (
     f"a checkpoint the plugin refuses), reported as one line on stderr. Set {DEBUG_ENV}=1 to see the "
     "traceback of an error instead."
 )
+
+
+def debug_on(environ=None) -> bool:
+    """VLLM_WNA16_DEBUG: 1/true/yes/on show an error's traceback; unset, 0/false/no/off do not."""
+    value = (os.environ if environ is None else environ).get(DEBUG_ENV, "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's usage errors as the verbs' own errors: one line on stderr, exit 2 (module docstring)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -94,14 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     from vllm_wna16_plugin.tools.make_checkpoint import add_make_checkpoint_args, run_make_checkpoint
     from vllm_wna16_plugin.tools.tune import add_tune_args, run_tune
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="vllm-wna16",
         description="vllm-wna16-plugin tools: run the demo, plan a WNA16 MoE checkpoint, write a tiny one, or "
         "tune a checkpoint's MoE layers on this GPU.",
         epilog=EPILOG,
     )
     parser.add_argument("--version", action="version", version=f"vllm-wna16-plugin {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     demo = sub.add_parser(
         "demo",
         help="write a tiny GPTQ gs32 MoE checkpoint (K=2048) and run it: LLM(...) on a GPU, the MoE layers on CPU",
@@ -142,22 +156,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_tune_args(tune)
     tune.set_defaults(func=run_tune)
+    parser.verbs = {"demo": demo, "doctor": doctor, "make-checkpoint": make, "tune": tune}
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one verb; returns the exit status (module docstring). Usage errors exit 2 from argparse."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the verb's own parser (the top-level one would report them under `vllm-wna16`)
+        parser.verbs[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "demo":  # builds vLLM layers without a vLLM entry point: configure its logger as one would
+            for name in DEPRECATION_NOISE:  # torch's notes while vLLM is imported to configure it
+                logging.getLogger(name).setLevel(logging.ERROR)
             from vllm_wna16_plugin import _vllm
 
             _vllm.configure_logging()
         quiet_import_noise(args.command)  # after vLLM's dictConfig, which resets its child loggers' levels
         return int(args.func(args) or EXIT_OK)
+    except BrokenPipeError:  # the reader stopped early (`| head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     except user_errors() as exc:
-        if os.environ.get(DEBUG_ENV, "").strip() not in ("", "0"):
+        if debug_on():
             raise
         sys.stdout.flush()  # the verb's output so far comes first
         print(f"vllm-wna16 {args.command}: error: {error_message(exc)}", file=sys.stderr)

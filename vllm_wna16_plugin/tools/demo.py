@@ -39,6 +39,7 @@ from vllm_wna16_plugin.tools.make_checkpoint import (
     ARCH_SPECS,
     FORMATS,
     MODEL_FILE,
+    check_out_dir,
     load_config,
     load_reference,
     load_spec,
@@ -235,6 +236,8 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         spec = spec_from_args(args, sym=True)  # a bad shape flag is named as typed
         print(preflight(spec, device, args.backend))
+        if args.out:
+            check_out_dir(args.out, force=False)  # never into another model's directory
         path = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="wna16-demo-"))
         temporary = None if args.out else path
         print(flush=True)  # the plan before make-checkpoint's progress lines (stderr)

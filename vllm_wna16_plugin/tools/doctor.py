@@ -422,27 +422,55 @@ def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_con
         out += _launch_config_table(gemms, dims.top_k, dims.experts, scheme.bits)
     problem = _problem(scheme, dims, i_loc, gs13, gs2, *_platform(device), tp)
     verdicts = collect_verdicts(problem)
-    chosen = next((v.backend for v in verdicts if v.ok), None)
-    out += ["", f"backend on {device} (auto): {chosen}"]
+    requested, source = _requested()
+    if requested == "auto":
+        chosen = next((v.backend for v in verdicts if v.ok), None)
+    else:  # as loading does: an explicit backend that cannot run this layer is refused (ValueError, exit 2)
+        chosen = select_backend(problem, requested, source).backend.name
+    label = "auto" if requested == "auto" else f"{source}={requested}"
+    out += ["", f"backend on {device} ({label}): {chosen}"]
     for v in verdicts:
         out.append(f"  - {v.backend}: {'ok' if v.ok else 'rejected: ' + v.reason}")
     if launch_configs and chosen is not None:
-        out += ["", f"launch plan on {DEVICES[device].describe()} (auto), per batch size M (tokens):"]
+        selection = select_backend(problem, requested, source)
+        out += ["", f"launch plan on {DEVICES[device].describe()} ({label}), per batch size M (tokens):"]
         out += [
-            "  " + line for m in BATCH_SIZES for line in launch_plan(problem, m, DEVICES[device]).describe().split("\n")
+            "  " + line
+            for m in BATCH_SIZES
+            for line in launch_plan(problem, m, DEVICES[device], selection=selection).describe().split("\n")
         ]
-        out += ["", _humming_composition(problem, DEVICES[device])]
+        out += ["", _humming_composition(problem, DEVICES[device], selection)]
     return out
 
 
-def _humming_composition(problem: MoEProblem, device) -> str:
+def _requested() -> tuple[str, str]:
+    """The backend loading would be asked for (VLLM_WNA16_PLUS_BACKEND; doctor has no --moe-backend), after the
+    plugin's other variables are checked as loading checks them (a bad value: ValueError, exit 2)."""
+    import os
+
+    from vllm_wna16_plugin.backends.humming import ENV_COMPOSE, compose_setting
+    from vllm_wna16_plugin.kernels.triton.td_gate import td_request_from_env
+    from vllm_wna16_plugin.oracle import resolve_request
+    from vllm_wna16_plugin.user_tables import use_tuned
+
+    compose_setting(os.environ.get(ENV_COMPOSE))
+    td_request_from_env()
+    use_tuned()
+    requested, source = resolve_request(None)
+    return requested, "auto" if source == "--moe-backend" else source
+
+
+def _humming_composition(problem: MoEProblem, device, selection) -> str:
     """Which batch sizes auto hands to Humming where humming-kernels is installed (vLLM 0.34's default on
     sm90) and the layer's second copy fits (backends/humming.compose_decision), or why it never does."""
-    from vllm_wna16_plugin.backends.humming import ENV_COMPOSE
+    import os
 
-    selection = select_backend(problem)
+    from vllm_wna16_plugin.backends.humming import ENV_COMPOSE, compose_setting
+
     if why_not := composable_with_humming(selection):
         return f"composed with Humming: no ({why_not})"
+    if compose_setting(os.environ.get(ENV_COMPOSE)) == "off":
+        return f"composed with Humming: no ({ENV_COMPOSE}={os.environ.get(ENV_COMPOSE)})"
     composed = compose_with_humming(selection)
     takes = [
         m for m in BATCH_SIZES if launch_plan(composed.problem, m, device, selection=composed).backend == "humming"

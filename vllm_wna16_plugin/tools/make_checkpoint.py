@@ -154,6 +154,8 @@ class CheckpointSpec:
                         f"{arg('group_size')} does not divide {arg(field)}; use a divisor of both "
                         f"{name('hidden')} and {name('intermediate')}, or {arg('group_size', -1)} (channel-wise)"
                     )
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"{arg('seed')} is out of range; use a seed in [0, 2**63)")
         if self.experts < 1 or not 1 <= self.top_k <= self.experts:
             raise ValueError(
                 f"need {name('experts')} >= 1 and 1 <= {name('top_k')} <= {name('experts')}, "
@@ -654,7 +656,9 @@ def _norm_weight(gen: torch.Generator, n: int) -> torch.Tensor:
 
 def add_make_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Arguments of `vllm-wna16 make-checkpoint OUT ...` (defaults as make_checkpoint's)."""
-    parser.add_argument("out", metavar="OUT", help="directory to write the checkpoint into")
+    parser.add_argument("out", metavar="OUT", help="directory to write the checkpoint into (new, empty, or one "
+                        "make-checkpoint wrote; --force for any other)")  # fmt: skip
+    parser.add_argument("--force", action="store_true", help="write into OUT even if it holds another model's files")
     parser.add_argument("--format", dest="fmt", choices=FORMATS, required=True)
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
     parser.add_argument("--group-size", type=int, default=128, help="-1 = channel-wise")
@@ -685,8 +689,26 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
     """The make-checkpoint command: write the checkpoint and print its path; 0.
 
     Invalid flags and I/O errors raise (ValueError naming the flag, OSError); cli.main reports them."""
-    print(write_checkpoint(args.out, spec_from_args(args)))
+    spec = spec_from_args(args)
+    check_out_dir(args.out, args.force)
+    print(write_checkpoint(args.out, spec))
     return 0
+
+
+def check_out_dir(out: str, force: bool) -> None:
+    """OUT must name a directory that is new, empty, or a checkpoint this tool wrote (its reference/ float
+    weights beside the safetensors); another model's directory is refused unless --force: writing into it
+    would leave a mix of two models."""
+    if not str(out).strip():
+        raise ValueError("OUT is empty: name the directory to write the checkpoint into")
+    path = Path(out)
+    if force or not path.is_dir() or not any(path.iterdir()):
+        return
+    if not ((path / "reference").is_dir() and (path / MODEL_FILE).is_file()):
+        raise ValueError(
+            f"OUT={out!r} is a directory with files that vllm-wna16 make-checkpoint did not write; writing into it "
+            "would mix two models: name a new or empty directory, or pass --force to overwrite"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -271,7 +271,11 @@ def write_tables(problem: MoEProblem, results: Sequence[SlotResult], device: Dev
         if not entries:
             continue
         path = configs_dir / config_file_name(p.num_experts, n, k, gs, bits, device.name)
-        kept = json.loads(path.read_text()) if path.is_file() else {}
+        try:  # the existing table through its loader (validated): a damaged one is replaced, not this run lost
+            kept = {str(m): c.to_dict() for m, c in (_load_configs(path) or {}).items()}
+        except (ValueError, RecursionError) as exc:
+            logger.warning("moe_wna16_plus: replacing the damaged tuned table %s (%s)", path, exc)
+            kept = {}
         merged = {**kept, **entries}
         write_atomically(path, json.dumps({m: merged[m] for m in sorted(merged, key=int)}, indent=1) + "\n")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -380,6 +384,10 @@ def run_tune(args) -> int:
         raise ValueError(f"--m={args.m!r} is not a comma-separated list of token counts, e.g. 1,8,64") from None
     if not ms or any(m < 1 for m in ms):
         raise ValueError(f"--m={args.m!r}: every batch size must be a positive int")
+    if args.reps < 1:
+        raise ValueError(f"--reps={args.reps}: the replays per time (a median) must be at least 1")
+    if not (math.isfinite(args.budget_s) and args.budget_s > 0):
+        raise ValueError(f"--budget-s={args.budget_s}: the exploration budget must be a positive number of seconds")
     if not torch.cuda.is_available():
         raise ValueError("tune times kernels on this machine's NVIDIA GPU, and torch sees none "
                          "(torch.cuda.is_available() is False); `vllm-wna16 doctor` plans without one")  # fmt: skip

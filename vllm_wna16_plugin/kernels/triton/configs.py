@@ -53,6 +53,18 @@ class TritonMoEConfig:
         return self.BLOCK_SIZE_M == 1
 
     def __post_init__(self) -> None:
+        for name in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages",
+                     "SPLIT_K"):  # fmt: skip
+            value = getattr(self, name)
+            if type(value) is not int:  # noqa: E721 - bool and float are refused, as a tuned JSON may hold them
+                raise ValueError(f"{name}={value!r} must be an int, not {type(value).__name__}")
+        for name, most in (("BLOCK_SIZE_M", 256), ("BLOCK_SIZE_N", 512), ("BLOCK_SIZE_K", 2048)):
+            if getattr(self, name) > most:
+                raise ValueError(f"{name}={getattr(self, name)} is above {most}: no tile that large fits an SM")
+        if self.num_stages > 8 or self.GROUP_SIZE_M > 64:
+            raise ValueError(
+                f"num_stages={self.num_stages} (at most 8) or GROUP_SIZE_M={self.GROUP_SIZE_M} (at most 64) out of range"
+            )
         if not _is_pow2(self.BLOCK_SIZE_M):
             raise ValueError(f"BLOCK_SIZE_M={self.BLOCK_SIZE_M} must be a power of two")
         if not _is_pow2(self.BLOCK_SIZE_N) or self.BLOCK_SIZE_N < 16:
@@ -67,8 +79,8 @@ class TritonMoEConfig:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
         if not _is_pow2(self.SPLIT_K) or self.SPLIT_K > 16:
             raise ValueError(f"SPLIT_K={self.SPLIT_K} must be a power of two in [1, 16]")
-        if self.use_td not in (None, True, False):
-            raise ValueError(f"use_td={self.use_td!r} must be None, True or False")
+        if self.use_td is not None and not isinstance(self.use_td, bool):
+            raise ValueError(f"use_td={self.use_td!r} must be None, true or false")
         if self.nibbles not in (None, *NIBBLE_FORMS):
             raise ValueError(f"nibbles={self.nibbles!r} must be None or one of {list(NIBBLE_FORMS)}")
         if not isinstance(self.swap_ab, bool):
@@ -116,7 +128,16 @@ def _load(path: Path) -> dict[int, TritonMoEConfig] | None:
         return None
     raw = json.loads(path.read_text())
     try:
-        return {int(m): TritonMoEConfig(**entry) for m, entry in raw.items()}
+        if not isinstance(raw, dict):
+            raise TypeError(f"the table is a JSON {type(raw).__name__}, not an object")
+        table = {}
+        for m, entry in raw.items():
+            if not str(m).isdigit() or int(m) < 1:
+                raise ValueError(f"key {m!r} is not a token count >= 1")
+            if not isinstance(entry, dict):
+                raise TypeError(f"entry {m!r} is a {type(entry).__name__}, not an object")
+            table[int(m)] = TritonMoEConfig(**entry)
+        return table
     except (TypeError, ValueError) as exc:
         raise ValueError(
             f"{path.name}: bad tuned config ({exc}); each key is a token count M, each value the "

@@ -50,15 +50,17 @@ class TDDecision:
 
 
 def td_request_from_env(environ=None) -> bool | None:
-    """VLLM_TRITON_USE_TD: unset or "" = None (auto), "1" = True (force), "0" = False (off)."""
-    value = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
+    """VLLM_TRITON_USE_TD: unset or "" = None (auto), 1/true/yes/on = True (force), 0/false/no/off = False
+    (off), any case; anything else is a ValueError naming the variable (moe_method checks it at load)."""
+    raw = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    value = raw.strip().lower()
     if value == "":
         return None
-    if value in ("1", "true", "True"):
+    if value in ("1", "true", "yes", "on"):
         return True
-    if value in ("0", "false", "False"):
+    if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{ENV_VAR}={value!r} is not understood; use 1 (force), 0 (off) or leave it unset (auto)")
+    raise ValueError(f"{ENV_VAR}={raw!r} is not understood; use 1 (force), 0 (off) or leave it unset (auto)")
 
 
 def _capability(platform: str, sm: int | None) -> tuple[bool, bool, str]:

@@ -284,24 +284,34 @@ def test_real_zero_points_under_a_symmetric_config_are_refused(vllm_cpu, tmp_pat
     path = make_checkpoint(tmp_path / "ck", bits=4, group_size=32, sym=False, hidden=H, intermediate=I, experts=E,
                            top_k=TOP_K, layers=1, seed=7, **kwargs)  # fmt: skip
     _with_quant(path, **field)
-    with pytest.raises(ValueError, match=rf"{re.escape(LAYER)}\.\d\.\w+_proj\.{suffix} .*packed word \[\d+, \d+\] "
-                                         rf"is 0x[0-9a-f]{{8}}, but quantization_config says .* set {fix}"):  # fmt: skip
+    with pytest.raises(ValueError, match=rf"{re.escape(LAYER)}\.\d\.\w+_proj\.{suffix} .*: its zero points differ "
+                                         rf"between groups .* but quantization_config says .* set {fix}"):  # fmt: skip
         _load(vllm_cpu, path, _stored(path))
 
 
 @pytest.mark.parametrize(
     "kwargs", [pytest.param(dict(fmt="gptq"), id="gptq-v1"), pytest.param(dict(fmt="awq"), id="awq")]
 )
-def test_symmetric_files_with_their_implied_zero_points_load(vllm_cpu, tmp_path, kwargs):
-    """The check's other side: a symmetric GPTQ/AWQ file's stored qzeros (the midpoint) load as before."""
+@pytest.mark.parametrize("word", [0x77777777, 0x88888888 - 2**32, 0], ids=["v1-midpoint", "v2-midpoint", "zeros"])
+def test_symmetric_files_load_whatever_single_zero_their_writer_stored(vllm_cpu, tmp_path, kwargs, word):
+    """The check's other side: no kernel reads a symmetric file's qzeros, and writers store one value in them,
+    not always the midpoint of the label (GPTQModel 5+ writes v2's 0x88888888 under checkpoint_format gptq, as in
+    Qwen/Qwen3.5-27B-GPTQ-Int4; AWQ writers may leave 0): each loads and gives the checkpoint's layer."""
     path = make_checkpoint(tmp_path / "ck", bits=4, group_size=32, hidden=H, intermediate=I, experts=E, top_k=TOP_K,
                            layers=1, seed=8, **kwargs)  # fmt: skip
-    tensors = _stored(path)
-    if kwargs["fmt"] == "awq" and not any(n.endswith("qzeros") for n in tensors):  # writers that omit them
-        tensors |= {n.replace("qweight", "qzeros"): torch.full((H // 32 if "down" not in n else I // 32,
-                    (I if "down" not in n else H) // 8), 0x88888888 - 2**32, dtype=torch.int32)
-                    for n in list(tensors) if n.endswith("qweight")}  # fmt: skip
-    _load(vllm_cpu, path, tensors)
+    tensors = {n: t for n, t in _stored(path).items() if not n.endswith("qzeros")}
+    tensors |= {n.replace("qweight", "qzeros"): torch.full((H // 32 if "down" not in n else I // 32,
+                (I if "down" not in n else H) // 8), word, dtype=torch.int32)
+                for n in list(tensors) if n.endswith("qweight")}  # fmt: skip
+    layer = _load(vllm_cpu, path, tensors)
+    ref = load_reference(path)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(3)])
+    w = torch.rand(3, TOP_K, generator=g)
+    out = layer.quant_method.apply(layer, x, w, ids, None, None).float()
+    exact = fused_moe_ref(x, ref["layers.0.w13"], ref["layers.0.w2"], w, ids).float()
+    assert (out - exact).abs().max().item() <= exact.abs().max().item() * 2**-6
 
 
 def test_ct_act_order_tensors_the_config_does_not_announce_are_refused_by_name(vllm_cpu, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
 
@@ -104,9 +105,41 @@ def test_experts_the_config_leaves_unquantized_but_the_file_stores_quantized_are
     cfg = get_quantization_config("moe_wna16_plus").from_config(raw)
     cfg.maybe_update_config(str(path))
     prefix = "model.layers.0.mlp.experts"
-    assert cfg._stored_quantized_experts(prefix) and not cfg._stored_quantized_experts("model.layers.0.mlp.gate")
-    with pytest.raises(ValueError, match=rf"{prefix}: quantization_config leaves its routed experts unquantized, "
-                                         "but the checkpoint stores them quantized"):  # fmt: skip
+    assert cfg._stored_experts(prefix, cfg._quantized_modules)[0] == f"{prefix}.0.down_proj"
+    with pytest.raises(ValueError, match=rf"{prefix}: quantization_config leaves its routed experts unquantized .* "
+                                         rf"but the checkpoint stores them quantized \({prefix}\.0\.down_proj\)"):  # fmt: skip
+        _vllm.build_routed_experts(vllm_cpu, cfg, num_experts=4, top_k=2, hidden=128, intermediate=64, prefix=prefix,
+                                   ckpt_names=("gate_proj", "down_proj", "up_proj"))  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
+def test_a_layer_whose_file_holds_some_experts_unquantized_is_refused(vllm_cpu, tmp_path, fmt):
+    """One expert stored as bf16 weights beside quantized ones (an `ignore` / `modules_to_not_convert` entry naming
+    it, or a writer that skipped it): vLLM would fail on its first tensor with "has no parameter" (AttributeError).
+    Read from the stored tensors, whatever the experts' names (w1/w2/w3 as well as gate_proj...)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from vllm_wna16_plugin import _vllm
+    from vllm_wna16_plugin.tools.make_checkpoint import MODEL_FILE, make_checkpoint
+
+    path = make_checkpoint(tmp_path / "ck", fmt=fmt, bits=4, group_size=32, hidden=128, intermediate=64,
+                           experts=4, top_k=2, layers=1)  # fmt: skip
+    prefix = "model.layers.0.mlp.experts"
+    tensors = load_file(str(path / MODEL_FILE))
+    for proj, shape in (("gate_proj", (64, 128)), ("up_proj", (64, 128)), ("down_proj", (128, 64))):
+        for name in [n for n in tensors if n.startswith(f"{prefix}.2.{proj}.")]:
+            del tensors[name]
+        tensors[f"{prefix}.2.{proj}.weight"] = torch.randn(shape).bfloat16()
+    save_file(tensors, str(path / MODEL_FILE), metadata={"format": "pt"})
+    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    cfg = get_quantization_config("moe_wna16_plus").from_config(raw)
+    cfg.maybe_update_config(str(path))
+    with pytest.raises(ValueError, match=rf"{prefix}: the checkpoint stores some routed experts unquantized "
+                                         rf"\({prefix}\.2\.down_proj\.weight is a float tensor\) and others "
+                                         rf"quantized \({prefix}\.0\.down_proj\)"):  # fmt: skip
         _vllm.build_routed_experts(vllm_cpu, cfg, num_experts=4, top_k=2, hidden=128, intermediate=64, prefix=prefix,
                                    ckpt_names=("gate_proj", "down_proj", "up_proj"))  # fmt: skip
 

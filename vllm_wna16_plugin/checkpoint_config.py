@@ -182,60 +182,10 @@ def _show(value: Any) -> str:
 
 
 class _Rules:
-    """Per-module lookup of one format; `resolve` mirrors the in-tree vLLM config. `expert` gives the schemes
-    the rules give one routed expert's own modules (`<prefix>.<e>.gate_proj`, ...): where vLLM reads the
-    whole layer from expert 0's, a rule that names other experts differently is a checkpoint vLLM cannot
-    load as written (check_experts_alike)."""
+    """Per-module lookup of one format; `resolve` mirrors the in-tree vLLM config."""
 
     def resolve(self, prefix: str, fused: Mapping, moe: bool, lm_head_quantized: bool) -> WNA16Scheme | None:
         raise NotImplementedError
-
-    def expert(self, prefix: str, e: int, fused: Mapping) -> tuple[WNA16Scheme | None, ...]:
-        return tuple(self.resolve(n, fused, False, False) for n in _expert_shards(prefix, e))
-
-    def layer_issue(self, prefix: str, layer: WNA16Scheme | None) -> str | None:
-        """Why the layer's scheme (vLLM's reading) is not the one its experts were written with; None: it is."""
-        return None
-
-
-def _expert_shards(prefix: str, e: int) -> list[str]:
-    """Expert e's modules under a routed-experts prefix, named as vLLM probes expert 0 (EXPERT_SHARDS)."""
-    return [f"{prefix}.{e}.{s.split('.', 1)[1]}" for s in EXPERT_SHARDS]
-
-
-def _show_shards(prefix: str, e: int, values: tuple) -> str:
-    if all(v == values[0] for v in values[1:]):
-        return _show(values[0])
-    return "; ".join(
-        f"{n.rsplit('.', 1)[1]}: {_show(v)}" for n, v in zip(_expert_shards(prefix, e), values, strict=True)
-    )
-
-
-ALIKE_FIX = (
-    "supported: rules (ignore, modules_to_not_convert, dynamic, config_groups targets) that treat all experts of "
-    "a layer alike: name the whole experts module, or none of it"
-)
-
-
-def check_experts_alike(rules: _Rules, prefix: str, fused: Mapping, num_experts: int, layer: WNA16Scheme | None):
-    """ValueError unless the rules treat every routed expert of the layer at `prefix` as they treat expert 0,
-    and the layer's scheme (vLLM's reading) is the one its experts were written with (_Rules.layer_issue).
-
-    vLLM loads all of a layer's experts with one method, chosen from expert 0's modules: a rule that singles out
-    other experts (a compressed-tensors `ignore` entry, AWQ `modules_to_not_convert`, a GPTQ `dynamic` pattern)
-    would otherwise end in vLLM's "has no parameter" AttributeError while the weights load, or in experts read
-    with another scheme than they were written with."""
-    first = rules.expert(prefix, 0, fused)
-    for e in range(1, num_experts):
-        mine = rules.expert(prefix, e, fused)
-        if mine != first:
-            raise ValueError(
-                f"{prefix}: quantization_config gives expert {e} ({prefix}.{e}.*) {_show_shards(prefix, e, mine)}, "
-                f"but expert 0 {_show_shards(prefix, 0, first)} (vLLM loads every routed expert of a layer with one "
-                f"scheme, read from expert 0's modules); {ALIKE_FIX}"
-            )
-    if issue := rules.layer_issue(prefix, layer):
-        raise ValueError(f"{prefix}: {issue}; {ALIKE_FIX}")
 
 
 @dataclass(frozen=True)
@@ -279,27 +229,6 @@ class _GPTQRules(_Rules):
         if not listed:
             return None
         return self._dynamic(prefix)  # vLLM matches `dynamic` against the (fused) prefix itself
-
-    def expert(self, prefix, e, fused):
-        # listing is vLLM's, through expert 0 (writers list every expert, or expert 0 alone; the stored
-        # dtypes catch a layer left unquantized whose experts are not); `dynamic` is what GPTQModel matched
-        # against each module it quantized: the expert's own names
-        names = _expert_shards(prefix, e)
-        if not all(self._listed(f"{prefix}.{s}") for s in EXPERT_SHARDS):
-            return (None,) * len(names)
-        return tuple(self._dynamic(n) for n in names)
-
-    def layer_issue(self, prefix, layer):
-        if layer is None:
-            return None
-        written = self.expert(prefix, 0, {})
-        if all(w == layer for w in written):
-            return None
-        return (
-            f"quantization_config.dynamic gives its experts' modules {_show_shards(prefix, 0, written)}, but vLLM "
-            f"matches dynamic against the layer's prefix, which gets {_show(layer)}: the experts would be read "
-            "with another scheme than they were written with"
-        )
 
 
 @dataclass(frozen=True)
@@ -417,23 +346,18 @@ class CheckpointQuantConfig:
         *,
         fused_mapping: Mapping[str, Sequence[str]] | None = None,
         moe: bool | None = None,
-        num_experts: int | None = None,
     ) -> WNA16Scheme | None:
         """The scheme of the module at this vLLM prefix; None when it stays unquantized.
 
         moe=None treats a prefix whose last part is "experts" as routed experts (probed, as
         vLLM does, through `<prefix>.0.gate_proj/.0.up_proj/.0.down_proj`). fused_mapping is
         the model's packed_modules_mapping (default: qkv_proj and gate_up_proj). Raises
-        ValueError when the shards of one fused module disagree, as vLLM does. num_experts (routed experts
-        only): also check that the rules give each of the layer's experts its scheme (check_experts_alike).
+        ValueError when the shards of one fused module disagree, as vLLM does.
         """
         fused = DEFAULT_FUSED_MAPPING if fused_mapping is None else fused_mapping
         is_moe = _last(prefix) == "experts" if moe is None else moe
         rules = self.rules if self.rules is not None else _Uniform(self.scheme)
-        scheme = rules.resolve(prefix, fused, is_moe, self.lm_head_quantized)
-        if is_moe and num_experts and self.rules is not None:
-            check_experts_alike(rules, prefix, fused, num_experts, scheme)
-        return scheme
+        return rules.resolve(prefix, fused, is_moe, self.lm_head_quantized)
 
     def is_excluded(
         self,

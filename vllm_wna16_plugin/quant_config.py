@@ -42,7 +42,8 @@ def make_config_class():
             super().__init__()
             self.parsed = parsed
             self._linear_delegate = None
-            self._quantized_modules: set[str] | None = None
+            self._quantized_modules: set[str] | None = None  # from the safetensors dtypes (maybe_update_config)
+            self._float_modules: set[str] | None = None
 
         def __repr__(self) -> str:
             return f"MoeWNA16PlusConfig({self.parsed.scheme.describe()}, linear={self.parsed.quant_method})"
@@ -95,6 +96,12 @@ def make_config_class():
             self._quantized_modules = {
                 name.rsplit(".", 1)[0] for name, info in metadata.items() if info.get("dtype") not in floats
             }
+            # modules stored as a float `.weight` (an expert left unquantized), the routed experts' check
+            self._float_modules = {
+                name.rsplit(".", 1)[0]
+                for name, info in metadata.items()
+                if name.endswith(".weight") and info.get("dtype") in floats
+            } - self._quantized_modules
             if self.parsed.quant_method == "gptq":
                 self._delegate_or_none(lambda d: d.maybe_update_config(model_name, hf_config, revision))
 
@@ -113,11 +120,32 @@ def make_config_class():
             shards = (getattr(self, "packed_modules_mapping", None) or {}).get(last, [last])
             return any((f"{parent}.{s}" if parent else s) in quantized for s in shards)
 
-        def _stored_quantized_experts(self, prefix: str) -> bool:
-            """The safetensors hold non-float tensors of some routed expert under this layer prefix."""
-            quantized = getattr(self, "_quantized_modules", None) or ()
+        def _stored_experts(self, prefix: str, modules) -> list[str]:
+            """The routed experts' modules (`<prefix>.<expert>.<proj>`, the checkpoint's own names) in `modules`."""
             head = f"{prefix}."
-            return any(m.startswith(head) and m[len(head) : len(head) + 1].isdigit() for m in quantized)
+            return sorted(m for m in modules or () if m.startswith(head) and m[len(head) : len(head) + 1].isdigit())
+
+        def _check_stored_experts(self, prefix: str, scheme) -> None:
+            """The layer's experts as the safetensors store them (maybe_update_config) against the scheme the config
+            gives the layer, which vLLM reads through expert 0's modules: every expert quantized, or none of them,
+            and quantized where the config says so. Else vLLM would fail on the first tensor of the other kind
+            ("has no parameter", an AttributeError) or load experts with a scheme they were not written with."""
+            quantized = self._stored_experts(prefix, getattr(self, "_quantized_modules", None))
+            floats = self._stored_experts(prefix, getattr(self, "_float_modules", None))
+            if quantized and floats:
+                raise ValueError(
+                    f"moe_wna16_plus: {prefix}: the checkpoint stores some routed experts unquantized ({floats[0]}.weight "
+                    f"is a float tensor) and others quantized ({quantized[0]}); vLLM loads every expert of a layer "
+                    "with one scheme: quantize them all, or none (the config's ignore / modules_to_not_convert / "
+                    "dynamic rules then name the whole experts module)"
+                )
+            if scheme is None and quantized:
+                raise ValueError(
+                    f"moe_wna16_plus: {prefix}: quantization_config leaves its routed experts unquantized (read, as "
+                    f"vLLM reads it, through expert 0's gate_proj/up_proj/down_proj), but the checkpoint stores them "
+                    f"quantized ({quantized[0]}); the config's module rules (modules_in_block_to_quantize, dynamic, "
+                    "ignore, modules_to_not_convert) must name the experts as quantized"
+                )
 
         def _delegate(self):
             if self._linear_delegate is None:
@@ -152,15 +180,8 @@ def make_config_class():
         def get_quant_method(self, layer: torch.nn.Module, prefix: str):
             fused = getattr(self, "packed_modules_mapping", None) or None
             if isinstance(layer, _vllm.routed_experts_cls()):
-                experts = _vllm.layer_global_experts(layer)
-                scheme = self.parsed.scheme_for(prefix, fused_mapping=fused, moe=True, num_experts=experts)
-                if scheme is None and self._stored_quantized_experts(prefix):
-                    raise ValueError(
-                        f"moe_wna16_plus: {prefix}: quantization_config leaves its routed experts unquantized, "
-                        f"but the checkpoint stores them quantized (non-float tensors under {prefix}.<expert>.*); "
-                        "the config's module rules (modules_in_block_to_quantize, dynamic, ignore, "
-                        "modules_to_not_convert) must name the experts as quantized"
-                    )
+                scheme = self.parsed.scheme_for(prefix, fused_mapping=fused, moe=True)
+                self._check_stored_experts(prefix, scheme)
                 if scheme is None:
                     logger.info("moe_wna16_plus: %s is not quantized in the checkpoint; unquantized MoE", prefix)
                     return _vllm.unquantized_moe_method(layer.moe_config)

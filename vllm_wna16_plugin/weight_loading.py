@@ -23,8 +23,8 @@ signed zero points are packed.
     zero points   GPTQ v1 stored 2**bits - 1 (zero 2**bits, out of  packed GPTQ v2 / AWQ / CT words: each
                   range); unpacked signed CT values outside         field holds 0..2**bits - 1 by construction
                   [-2**(bits-1), 2**(bits-1)); a symmetric
-                  checkpoint's qzeros holding anything but the
-                  implied midpoint (check_symmetric_zeros)
+                  checkpoint's qzeros whose fields differ
+                  (real zero points: check_symmetric_zeros)
     qweight       -                                                 every packed word
     weight_shape  a non-integer dtype or a value other than [N, K]  -
 
@@ -197,29 +197,31 @@ def gptq_zero_points(scheme: WNA16Scheme, qzeros: torch.Tensor, name: str | Tens
 
 def check_symmetric_zeros(scheme: WNA16Scheme, qzeros: torch.Tensor, name: str | TensorName) -> None:
     """A symmetric GPTQ or AWQ checkpoint still stores qzeros (some compressed-tensors writers a zero point),
-    which no kernel reads (the zero 2**(bits-1) is implied): every field must hold that zero as stored (GPTQ v1:
-    minus one; compressed-tensors: signed 0, packed with the offset), else the file holds real zero points under
-    a config that says symmetric, and ignoring them would be a silently wrong layer. AWQ and compressed-tensors
-    tensors of zeros (an unused buffer, or unpacked signed zeros) pass too. Compares words, no unpacking."""
+    which no kernel reads: the zero 2**(bits-1) is implied. Writers store one value in every field, and not
+    always the same one (GPTQModel 5+ writes v2's midpoint under a v1 label, AWQ and CT writers leave 0, older
+    CT files hold unpacked int8 zeros): any single value passes. Fields that differ are real zero points under a
+    config that says symmetric, and ignoring them would be a silently wrong layer: refused with the fix."""
     if qzeros.numel() == 0:
         return
-    per_word, bits = 32 // scheme.bits, scheme.bits
-    stored = (1 << (bits - 1)) - scheme.zero_point_offset
-    word = sum(stored << (i * bits) for i in range(per_word))
-    got = qzeros.to(torch.int64) & 0xFFFFFFFF
-    ok = got == word
-    fmt = scheme.pack_format
-    if bool(ok.all()) or (fmt is not PackFormat.GPTQ and not bool(got.any())):
+    bits = scheme.bits
+    if qzeros.dtype == torch.int32:  # packed: every bits-wide field of every word
+        words = qzeros.to(torch.int64) & 0xFFFFFFFF
+        fields = torch.stack([(words >> (i * bits)) & ((1 << bits) - 1) for i in range(32 // bits)], dim=-1)
+    else:  # unpacked values (compressed-tensors int8 zero points)
+        fields = qzeros.to(torch.int64).unsqueeze(-1)
+    lo, hi = torch.aminmax(fields)
+    if lo == hi:
         return
-    idx = _first(~ok)
+    idx = _first(fields != fields.flatten()[0])
     field, fix = {
         PackFormat.GPTQ: ('"sym": true', '"sym": false in its config.json'),
         PackFormat.AWQ: ('"zero_point": false', '"zero_point": true in its config.json'),
         PackFormat.CT_PACKED: ('"symmetric": true', '"symmetric": false in its config_groups weights'),
-    }[fmt]
+    }[scheme.pack_format]
     raise ValueError(
-        f"{_describe(name)}: packed word {list(idx)} is 0x{int(got[idx]):08x}, but quantization_config says "
-        f"{field}, which implies the zero {1 << (bits - 1)} in every field (stored as 0x{word:08x}): this checkpoint "
+        f"{_describe(name)}: its zero points differ between groups ({int(fields.flatten()[0])} first, "
+        f"{int(fields[idx])} at {'packed word' if qzeros.dtype == torch.int32 else 'position'} {list(idx[:-1])}), but "
+        f"quantization_config says {field}, which implies one zero, {1 << (bits - 1)}, everywhere: this checkpoint "
         f"stores real zero points; set {fix}"
     )
 

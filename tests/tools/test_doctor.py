@@ -224,17 +224,6 @@ def test_doctor_refuses_two_groups_giving_experts_different_schemes(four_layers,
         plan(path)
 
 
-def test_doctor_refuses_a_rule_that_singles_out_experts_as_loading_does(four_layers, tmp_path):
-    """An AWQ-style exclusion of one expert (here a GPTQ dynamic "-:" rule): vLLM reads the layer through expert 0
-    and would fail on expert 2's float tensors with an AttributeError; doctor and loading refuse it by name."""
-    quant = {**json.loads((four_layers / "config.json").read_text())["quantization_config"],
-             "dynamic": {r"-:.*experts\.2\..*": {}}}  # fmt: skip
-    path = _with_config(four_layers, tmp_path, quantization_config=quant)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: quantization_config gives expert 2 .* "
-                                         r"unquantized, but expert 0 gptq int4"):  # fmt: skip
-        plan(path)
-
-
 def test_doctor_refuses_sizes_no_format_can_pack(four_layers, tmp_path):
     path = _with_config(four_layers, tmp_path, hidden_size=100)
     with pytest.raises(ValueError, match=r"the hidden size H is 100, not a positive multiple of 8: GPTQ, AWQ and "

@@ -197,19 +197,16 @@ def moe_layer_prefixes(cfg: Mapping, dims: MoEDims) -> tuple[dict[int, str], str
     return prefixes, f"{layout.prefix(0).replace('.0.', '.{i}.')} ({naming})"
 
 
-def moe_schemes(
-    parsed: CheckpointQuantConfig, prefixes: Mapping[int, str], num_experts: int | None = None
-) -> tuple[MoESchemeLayers, ...]:
+def moe_schemes(parsed: CheckpointQuantConfig, prefixes: Mapping[int, str]) -> tuple[MoESchemeLayers, ...]:
     """Each distinct scheme the routed-experts layers resolve to, in layer order.
 
     The same resolution loading uses (MoeWNA16PlusConfig.get_quant_method -> scheme_for(prefix,
     moe=True)), so dynamic rules, modules_in_block_to_quantize, modules_to_not_convert, ignore and
-    several config_groups give the plan loading will run; a layer loading refuses raises here too, rules
-    that single out some of its num_experts experts included (checkpoint_config.check_experts_alike).
+    several config_groups give the plan loading will run; a layer loading refuses raises here too.
     """
     by_scheme: dict[WNA16Scheme | None, list[int]] = {}
     for i, prefix in prefixes.items():
-        by_scheme.setdefault(parsed.scheme_for(prefix, moe=True, num_experts=num_experts), []).append(i)
+        by_scheme.setdefault(parsed.scheme_for(prefix, moe=True), []).append(i)
     return tuple(MoESchemeLayers(scheme, tuple(layers)) for scheme, layers in by_scheme.items())
 
 
@@ -359,7 +356,7 @@ def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90")
     parsed = parse_quantization_config(quant)
     dims = moe_dims(cfg)
     prefixes, naming = moe_layer_prefixes(cfg, dims)
-    groups = moe_schemes(parsed, prefixes, dims.experts)
+    groups = moe_schemes(parsed, prefixes)
     for g in groups:  # TP-independent: the sizes against each scheme's packing and group size
         if g.scheme is not None:
             check_packable(g.scheme.bits, dims.hidden, dims.intermediate, prefixes[g.layers[0]])

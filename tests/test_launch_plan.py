@@ -139,7 +139,7 @@ def test_kernel_options_reach_the_plan():
     assert plan(split, 128, H200).gemms[0].form == "split dot"  # a tuned 16x64x128 tile: words by default
     assert plan(problem, 128, H200).gemms[0].form == "words dot"
     swap = dataclasses.replace(problem, options=RunOptions(plan_only=True, kernel=KernelOptions(swap_ab=True)))
-    assert plan(swap, 128, H200).gemms[0].form == "split dot, swapped (weights as the MMA's M)"
+    assert plan(swap, 128, H200).gemms[0].form == "words dot, swapped (weights as the MMA's M)"
     assert not any("swapped" in g.form for g in plan(swap, 1, H200).gemms)  # decode: per pair or cuda, no tl.dot
 
 

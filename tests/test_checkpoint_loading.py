@@ -39,6 +39,21 @@ def _experts_of_layer0(path, arch):
         return [(k.removeprefix(prefix), f.get_tensor(k)) for k in f.keys() if k.startswith(prefix)]
 
 
+def _forward_matches_truth(layer, path, *, m: int, seed: int):
+    """The loaded layer's forward on m random tokens against the float math of the checkpoint's own dequantized
+    experts (reference/); returns (out, x, topk_weights, topk_ids)."""
+    ref = load_reference(path)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(m)])
+    w = torch.rand(m, TOP_K, generator=g)
+    out = layer.quant_method.apply(layer, x, w, ids, None, None).float()
+    exact = fused_moe_ref(x, ref["layers.0.w13"], ref["layers.0.w2"], w, ids).float()
+    err = (out - exact).abs().max().item()
+    assert err <= exact.abs().max().item() * 2**-6, f"max error {err:.3g} vs dequantized truth"
+    return out, x, w, ids
+
+
 @pytest.mark.parametrize("kwargs", CASES)
 def test_tiny_checkpoint_loads_and_matches(vllm_cpu, tmp_path, kwargs):
     arch = kwargs.get("arch", "qwen3_moe")
@@ -51,15 +66,8 @@ def test_tiny_checkpoint_loads_and_matches(vllm_cpu, tmp_path, kwargs):
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.quant_method.selection.backend.name == "reference"  # CPU
 
+    out, x, w, ids = _forward_matches_truth(layer, path, m=5, seed=0)
     ref = load_reference(path)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, H, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(5)])
-    w = torch.rand(5, TOP_K, generator=g)
-    out = layer.quant_method.apply(layer, x, w, ids, None, None).float()
-    exact = fused_moe_ref(x, ref["layers.0.w13"], ref["layers.0.w2"], w, ids).float()
-    err = (out - exact).abs().max().item()
-    assert err <= exact.abs().max().item() * 2**-6, f"max error {err:.3g} vs dequantized truth"
     floats = fused_moe_ref(x, ref["layers.0.w13_float"], ref["layers.0.w2_float"], w, ids).float()
     rel = ((out - floats).norm() / floats.norm()).item()
     assert rel < (0.05 if kwargs["bits"] == 8 else 0.25), f"far from the float weights: rel {rel:.3g}"
@@ -303,15 +311,7 @@ def test_symmetric_files_load_whatever_single_zero_their_writer_stored(vllm_cpu,
     tensors |= {n.replace("qweight", "qzeros"): torch.full((H // 32 if "down" not in n else I // 32,
                 (I if "down" not in n else H) // 8), word, dtype=torch.int32)
                 for n in list(tensors) if n.endswith("qweight")}  # fmt: skip
-    layer = _load(vllm_cpu, path, tensors)
-    ref = load_reference(path)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(3, H, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(3)])
-    w = torch.rand(3, TOP_K, generator=g)
-    out = layer.quant_method.apply(layer, x, w, ids, None, None).float()
-    exact = fused_moe_ref(x, ref["layers.0.w13"], ref["layers.0.w2"], w, ids).float()
-    assert (out - exact).abs().max().item() <= exact.abs().max().item() * 2**-6
+    _forward_matches_truth(_load(vllm_cpu, path, tensors), path, m=3, seed=1)
 
 
 def test_ct_act_order_tensors_the_config_does_not_announce_are_refused_by_name(vllm_cpu, tmp_path):

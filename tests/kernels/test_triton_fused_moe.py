@@ -558,80 +558,29 @@ def test_dot_form_policy(nibbles, bits, cfg, td, want):
 # The swapped tile (TritonMoEConfig.swap_ab, KernelOptions.swap_ab): C.T = dequant(B) @ A.T, transposed back
 # before the routed weight and the store. (M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, options)
 SWAP = KernelOptions(swap_ab=True)
+# fmt: off
 SWAP_CASES = [
     # forced by the options on an unswapped config; BLOCK_K 128: "auto" gives the words form, and split
     pytest.param(5, 256, 64, 4, 2, 4, 64, 64, True, BF16, Cfg(16, 64, 128), SWAP, id="int4-asym-gs64-words"),
-    pytest.param(
-        5,
-        256,
-        64,
-        4,
-        2,
-        4,
-        64,
-        64,
-        True,
-        FP16,
-        Cfg(16, 64, 128),
-        KernelOptions(swap_ab=True, dot_nibbles="split"),
-        id="int4-asym-gs64-split-fp16",
-    ),  # fmt: skip
+    pytest.param(5, 256, 64, 4, 2, 4, 64, 64, True, FP16, Cfg(16, 64, 128),
+                 KernelOptions(swap_ab=True, dot_nibbles="split"), id="int4-asym-gs64-split-fp16"),
     # K=1344 at gs32 (a 64-wide K tail on GEMM1), the interleaved form
-    pytest.param(
-        3,
-        1344,
-        32,
-        4,
-        2,
-        4,
-        32,
-        32,
-        True,
-        BF16,
-        Cfg(16, 32, 128),
-        KernelOptions(swap_ab=True, dot_nibbles="interleave"),
-        id="int4-asym-gs32-K1344-tail-interleave",
-    ),  # fmt: skip
+    pytest.param(3, 1344, 32, 4, 2, 4, 32, 32, True, BF16, Cfg(16, 32, 128),
+                 KernelOptions(swap_ab=True, dot_nibbles="interleave"), id="int4-asym-gs32-K1344-tail-interleave"),
     # the config's own opinion; int8 channel-wise with zero points, GEMM2's K tail (I=96), fp16
-    pytest.param(
-        4,
-        128,
-        96,
-        4,
-        2,
-        8,
-        -1,
-        -1,
-        True,
-        FP16,
-        Cfg(16, 32, 64, swap_ab=True),
-        KernelOptions(),
-        id="int8-asym-channelwise-K96-fp16-config",
-    ),  # fmt: skip
+    pytest.param(4, 128, 96, 4, 2, 8, -1, -1, True, FP16, Cfg(16, 32, 64, swap_ab=True), KernelOptions(),
+                 id="int8-asym-channelwise-K96-fp16-config"),
     # 32 and 64 token rows (the MMA's N), N tails: GEMM1 N=352 under BLOCK_N 64, 8 warps
-    pytest.param(
-        40, 96, 176, 2, 2, 4, 32, 16, False, FP16, Cfg(32, 64, 32, GROUP_SIZE_M=8), SWAP, id="int4-sym-BM32-N352-fp16"
-    ),  # fmt: skip
-    pytest.param(
-        70,
-        64,
-        128,
-        2,
-        2,
-        4,
-        32,
-        32,
-        True,
-        BF16,
-        Cfg(64, 128, 64, GROUP_SIZE_M=8, num_warps=8),
-        SWAP,
-        id="int4-asym-BM64-BN128-w8",
-    ),  # fmt: skip
+    pytest.param(40, 96, 176, 2, 2, 4, 32, 16, False, FP16, Cfg(32, 64, 32, GROUP_SIZE_M=8), SWAP,
+                 id="int4-sym-BM32-N352-fp16"),
+    pytest.param(70, 64, 128, 2, 2, 4, 32, 32, True, BF16, Cfg(64, 128, 64, GROUP_SIZE_M=8, num_warps=8), SWAP,
+                 id="int4-asym-BM64-BN128-w8"),
     # split K: each slice's float32 partial transposed back
     pytest.param(5, 256, 64, 4, 2, 4, 64, 32, False, BF16, Cfg(16, 64, 64, SPLIT_K=2), SWAP, id="int4-splitk2"),
     # top_k=1 (GEMM2 writes the output rows directly)
     pytest.param(6, 256, 64, 4, 1, 4, 128, 32, False, BF16, Cfg(16, 32, 64), SWAP, id="int4-topk1"),
 ]
+# fmt: on
 
 
 @pytest.mark.parametrize("M,H,inter,E,top_k,bits,gs1,gs2,zp,dtype,config,options", SWAP_CASES)

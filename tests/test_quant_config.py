@@ -88,22 +88,26 @@ def test_bf16_router_gate_of_a_gptq_checkpoint_stays_unquantized(vllm_cpu, tmp_p
     assert isinstance(gate.quant_method, UnquantizedLinearMethod)
 
 
-def test_experts_the_config_leaves_unquantized_but_the_file_stores_quantized_are_refused(vllm_cpu, tmp_path):
-    """modules_in_block_to_quantize without the experts: vLLM would build an unquantized MoE layer and fail on
-    the first qweight ("has no parameter"); the safetensors dtypes show the experts are quantized."""
+def _config_of(path, **changes):
     import json
 
     from vllm.model_executor.layers.quantization import get_quantization_config
 
+    raw = {**json.loads((path / "config.json").read_text())["quantization_config"], **changes}
+    cfg = get_quantization_config("moe_wna16_plus").from_config(raw)
+    cfg.maybe_update_config(str(path))
+    return cfg
+
+
+def test_experts_the_config_leaves_unquantized_but_the_file_stores_quantized_are_refused(vllm_cpu, tmp_path):
+    """AWQ modules_to_not_convert naming the experts while the file stores them quantized: vLLM would build an
+    unquantized MoE layer and fail on the first qweight ("has no parameter"); the safetensors dtypes show it."""
     from vllm_wna16_plugin import _vllm
     from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
 
-    path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, hidden=128, intermediate=64,
-                           experts=4, top_k=2, layers=1)  # fmt: skip
-    raw = json.loads((path / "config.json").read_text())["quantization_config"]
-    raw["modules_in_block_to_quantize"] = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]]
-    cfg = get_quantization_config("moe_wna16_plus").from_config(raw)
-    cfg.maybe_update_config(str(path))
+    path = make_checkpoint(tmp_path / "ck", fmt="awq", bits=4, group_size=32, sym=False, hidden=128,
+                           intermediate=64, experts=4, top_k=2, layers=1)  # fmt: skip
+    cfg = _config_of(path, modules_to_not_convert=["mlp.experts"])
     prefix = "model.layers.0.mlp.experts"
     assert cfg._stored_experts(prefix, cfg._quantized_modules)[0] == f"{prefix}.0.down_proj"
     with pytest.raises(ValueError, match=rf"{prefix}: quantization_config leaves its routed experts unquantized .* "
@@ -112,15 +116,35 @@ def test_experts_the_config_leaves_unquantized_but_the_file_stores_quantized_are
                                    ckpt_names=("gate_proj", "down_proj", "up_proj"))  # fmt: skip
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_gptq_experts_stored_quantized_load_whatever_modules_in_block_to_quantize_lists(vllm_cpu, tmp_path, arch):
+    """vLLM 0.30+ reads no modules_in_block_to_quantize for GPTQ MoE layers; writers list the experts by their own
+    names (Mixtral's w1/w3/w2), which the gate_proj probe misses, or not at all. The stored tensors decide."""
+    from vllm_wna16_plugin import _vllm
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, hidden=128, intermediate=64,
+                           experts=4, top_k=2, layers=1, arch=arch)  # fmt: skip
+    moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    names = ("w1", "w2", "w3") if arch == "mixtral" else ("gate_proj", "down_proj", "up_proj")
+    listing = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]]
+    if arch == "mixtral":  # the experts by their own names; on qwen3_moe not at all
+        listing.append([f"{moe}.experts.0.{n}" for n in names])
+    cfg = _config_of(path, modules_in_block_to_quantize=listing)
+    prefix = f"model.layers.0.{moe}.experts"
+    assert cfg.parsed.scheme_for(prefix, moe=True) is None  # the probe (gate_proj) misses on both
+    layer = _vllm.build_routed_experts(vllm_cpu, cfg, num_experts=4, top_k=2, hidden=128, intermediate=64,
+                                       prefix=prefix, ckpt_names=names)  # fmt: skip
+    assert layer.quant_method.scheme == cfg.parsed.scheme  # the plugin's method, the base scheme
+
+
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "compressed-tensors"])
 def test_a_layer_whose_file_holds_some_experts_unquantized_is_refused(vllm_cpu, tmp_path, fmt):
     """One expert stored as bf16 weights beside quantized ones (an `ignore` / `modules_to_not_convert` entry naming
     it, or a writer that skipped it): vLLM would fail on its first tensor with "has no parameter" (AttributeError).
     Read from the stored tensors, whatever the experts' names (w1/w2/w3 as well as gate_proj...)."""
-    import json
 
     from safetensors.torch import load_file, save_file
-    from vllm.model_executor.layers.quantization import get_quantization_config
 
     from vllm_wna16_plugin import _vllm
     from vllm_wna16_plugin.tools.make_checkpoint import MODEL_FILE, make_checkpoint
@@ -134,9 +158,7 @@ def test_a_layer_whose_file_holds_some_experts_unquantized_is_refused(vllm_cpu, 
             del tensors[name]
         tensors[f"{prefix}.2.{proj}.weight"] = torch.randn(shape).bfloat16()
     save_file(tensors, str(path / MODEL_FILE), metadata={"format": "pt"})
-    raw = json.loads((path / "config.json").read_text())["quantization_config"]
-    cfg = get_quantization_config("moe_wna16_plus").from_config(raw)
-    cfg.maybe_update_config(str(path))
+    cfg = _config_of(path)
     with pytest.raises(ValueError, match=rf"{prefix}: the checkpoint stores some routed experts unquantized "
                                          rf"\({prefix}\.2\.down_proj\.weight is a float tensor\) and others "
                                          rf"quantized \({prefix}\.0\.down_proj\)"):  # fmt: skip

@@ -359,6 +359,17 @@ class CheckpointQuantConfig:
         rules = self.rules if self.rules is not None else _Uniform(self.scheme)
         return rules.resolve(prefix, fused, is_moe, self.lm_head_quantized)
 
+    def stored_experts_scheme(self, prefix: str) -> WNA16Scheme | None:
+        """The scheme of a routed-experts layer whose experts the checkpoint stores quantized although
+        `scheme_for` leaves it unquantized, where the format lets the file decide: GPTQ, whose
+        `modules_in_block_to_quantize` vLLM 0.30+ does not read for MoE layers (writers list the experts by their
+        own names, w1/w3/w2 on Mixtral, which the gate_proj probe misses); its `dynamic` rules still apply.
+        None for the other formats: an `ignore` / `modules_to_not_convert` entry naming the experts is the
+        config's word against the file's (quant_config refuses the checkpoint)."""
+        if isinstance(self.rules, _GPTQRules):
+            return self.rules._dynamic(prefix)
+        return None
+
     def is_excluded(
         self,
         prefix: str,

@@ -181,6 +181,14 @@ def make_config_class():
             fused = getattr(self, "packed_modules_mapping", None) or None
             if isinstance(layer, _vllm.routed_experts_cls()):
                 scheme = self.parsed.scheme_for(prefix, fused_mapping=fused, moe=True)
+                stored = self._stored_experts(prefix, getattr(self, "_quantized_modules", None))
+                if scheme is None and stored and (found := self.parsed.stored_experts_scheme(prefix)) is not None:
+                    logger.info(
+                        "moe_wna16_plus: %s: modules_in_block_to_quantize does not name its experts by the names vLLM "
+                        "probes (expert 0's gate_proj/up_proj/down_proj), and the checkpoint stores them quantized "
+                        "(%s): loading them as %s, as vLLM's GPTQ MoE method does", prefix, stored[0], found.describe(),
+                    )  # fmt: skip
+                    scheme = found
                 self._check_stored_experts(prefix, scheme)
                 if scheme is None:
                     logger.info("moe_wna16_plus: %s is not quantized in the checkpoint; unquantized MoE", prefix)

@@ -436,3 +436,17 @@ def test_doctor_reads_the_plugins_variables_as_loading_does(gs32_k2048, monkeypa
             plan(gs32_k2048)
         monkeypatch.delenv(name)
     assert "backend on sm90 (auto): " in plan(gs32_k2048)
+
+
+def test_doctor_plans_gptq_experts_the_file_stores_quantized_whatever_the_listing(four_layers, tmp_path):
+    """As loading does (MoeWNA16PlusConfig.get_quant_method): vLLM reads no modules_in_block_to_quantize for GPTQ
+    MoE layers, and the safetensors hold the experts' qweight."""
+    import shutil
+
+    quant = {**json.loads((four_layers / "config.json").read_text())["quantization_config"],
+             "modules_in_block_to_quantize": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]]}  # fmt: skip
+    path = _with_config(four_layers, tmp_path, quantization_config=quant)
+    if not (path / "model.safetensors").exists():
+        shutil.copy(four_layers / "model.safetensors", path / "model.safetensors")
+    text = plan(path, launch_configs=False)
+    assert "layers 0-3: gptq int4 group 32 symmetric" in text, text

@@ -197,16 +197,43 @@ def moe_layer_prefixes(cfg: Mapping, dims: MoEDims) -> tuple[dict[int, str], str
     return prefixes, f"{layout.prefix(0).replace('.0.', '.{i}.')} ({naming})"
 
 
-def moe_schemes(parsed: CheckpointQuantConfig, prefixes: Mapping[int, str]) -> tuple[MoESchemeLayers, ...]:
+def stored_tensor_names(model_dir: str | Path) -> set[str]:
+    """The tensor names of the checkpoint's safetensors files (their headers only; none when there are none)."""
+    names: set[str] = set()
+    try:
+        from safetensors import safe_open
+    except ImportError:  # doctor without safetensors reads config.json alone
+        return names
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as st:
+                names.update(st.keys())
+        except Exception:  # noqa: BLE001 - a damaged file is reported by the readers that need it, with its name
+            continue
+    return names
+
+
+def moe_schemes(
+    parsed: CheckpointQuantConfig, prefixes: Mapping[int, str], stored: set[str] | None = None
+) -> tuple[MoESchemeLayers, ...]:
     """Each distinct scheme the routed-experts layers resolve to, in layer order.
 
     The same resolution loading uses (MoeWNA16PlusConfig.get_quant_method -> scheme_for(prefix,
     moe=True)), so dynamic rules, modules_in_block_to_quantize, modules_to_not_convert, ignore and
-    several config_groups give the plan loading will run; a layer loading refuses raises here too.
+    several config_groups give the plan loading will run; a layer loading refuses raises here too. stored (the
+    safetensors' tensor names): GPTQ experts stored quantized load so whatever modules_in_block_to_quantize lists
+    (CheckpointQuantConfig.stored_experts_scheme), as in MoeWNA16PlusConfig.get_quant_method.
     """
     by_scheme: dict[WNA16Scheme | None, list[int]] = {}
     for i, prefix in prefixes.items():
-        by_scheme.setdefault(parsed.scheme_for(prefix, moe=True), []).append(i)
+        scheme = parsed.scheme_for(prefix, moe=True)
+        head = f"{prefix}."
+        if scheme is None and any(
+            n.startswith(head) and n[len(head) : len(head) + 1].isdigit() and n.endswith(".qweight")
+            for n in stored or ()
+        ):
+            scheme = parsed.stored_experts_scheme(prefix)
+        by_scheme.setdefault(scheme, []).append(i)
     return tuple(MoESchemeLayers(scheme, tuple(layers)) for scheme, layers in by_scheme.items())
 
 
@@ -356,7 +383,7 @@ def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90")
     parsed = parse_quantization_config(quant)
     dims = moe_dims(cfg)
     prefixes, naming = moe_layer_prefixes(cfg, dims)
-    groups = moe_schemes(parsed, prefixes)
+    groups = moe_schemes(parsed, prefixes, stored_tensor_names(model_dir))
     for g in groups:  # TP-independent: the sizes against each scheme's packing and group size
         if g.scheme is not None:
             check_packable(g.scheme.bits, dims.hidden, dims.intermediate, prefixes[g.layers[0]])

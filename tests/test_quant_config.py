@@ -118,7 +118,7 @@ def test_experts_the_config_leaves_unquantized_but_the_file_stores_quantized_are
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_gptq_experts_stored_quantized_load_whatever_modules_in_block_to_quantize_lists(vllm_cpu, tmp_path, arch):
-    """vLLM 0.30+ reads no modules_in_block_to_quantize for GPTQ MoE layers; writers list the experts by their own
+    """vLLM 0.34 reads no modules_in_block_to_quantize for GPTQ MoE layers; writers list the experts by their own
     names (Mixtral's w1/w3/w2), which the gate_proj probe misses, or not at all. The stored tensors decide."""
     from vllm_wna16_plugin import _vllm
     from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint

@@ -362,7 +362,7 @@ class CheckpointQuantConfig:
     def stored_experts_scheme(self, prefix: str) -> WNA16Scheme | None:
         """The scheme of a routed-experts layer whose experts the checkpoint stores quantized although
         `scheme_for` leaves it unquantized, where the format lets the file decide: GPTQ, whose
-        `modules_in_block_to_quantize` vLLM 0.30+ does not read for MoE layers (writers list the experts by their
+        `modules_in_block_to_quantize` vLLM 0.34 does not read for MoE layers (writers list the experts by their
         own names, w1/w3/w2 on Mixtral, which the gate_proj probe misses); its `dynamic` rules still apply.
         None for the other formats: an `ignore` / `modules_to_not_convert` entry naming the experts is the
         config's word against the file's (quant_config refuses the checkpoint)."""

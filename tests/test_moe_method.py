@@ -196,6 +196,40 @@ def test_explicit_backend_that_cannot_work_fails_at_create_weights(vllm_cpu, mon
         _build(vllm_cpu, RAW["gptq"](4, 32, True))
 
 
+# Layers whose experts compute more than act(gate) * up (vLLM builds them for gpt-oss, EXAONE-MoE, Bailing-V3, Kimi):
+# refused while the layer is built, naming the field and its value, never run as plain SwiGLU.
+EXPERT_MATH = [
+    pytest.param({"activation": "swigluoai"}, r"activation is 'swigluoai'", id="swigluoai"),
+    pytest.param({"activation": "gelu_tanh"}, r"activation is 'gelu_tanh'", id="gelu-tanh"),
+    pytest.param({"has_bias": True}, r"bias on each expert.*has_bias=True", id="bias"),
+    pytest.param({"swiglu_limit": 7.0}, r"clamp on the gated activation \(swiglu_limit=7\.0\)", id="clamp"),
+    pytest.param({"swiglu_alpha": 1.702, "swiglu_limit": 7.0}, r"swiglu_limit=7\.0.*swiglu_alpha=1\.702", id="oai"),
+    pytest.param({"activation_situ_beta": 1.0}, r"SituGLU.*activation_situ_beta=1\.0", id="situ"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", EXPERT_MATH)
+def test_experts_with_math_the_kernels_do_not_compute_are_refused(vllm_cpu, kwargs, match):
+    import inspect
+
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    cls = _vllm.fused_moe_layer_cls()
+    params = inspect.signature(cls).parameters
+    missing = [k for k in kwargs if k not in params]
+    if missing:
+        pytest.skip(f"this vLLM's MoE layer has no {missing}")
+    qc = get_quantization_config("moe_wna16_plus").from_config(RAW["gptq"](4, 32, True))
+    prefix = "model.layers.7.mlp.experts"
+    vllm_cpu.compilation_config.static_forward_context.pop(prefix, None)
+    build = dict(num_experts=E, top_k=TOP_K, hidden_size=H, intermediate_size=I, params_dtype=torch.bfloat16,
+                 quant_config=qc, tp_size=1, prefix=prefix)  # fmt: skip
+    with pytest.raises(ValueError, match=r"model\.layers\.7\.mlp\.experts: .*" + match + r".*vLLM's own"):
+        cls(**build, **kwargs)
+    vllm_cpu.compilation_config.static_forward_context.pop(prefix, None)
+    cls(**build)  # the same layer with plain experts builds
+
+
 def test_group_size_that_cannot_split_is_named(vllm_cpu, monkeypatch):
     # I=128 at TP=16 gives K=8 per rank: no exact re-grouping of gs128 exists.
     monkeypatch.setattr(_vllm, "layer_tp", lambda layer: (0, 16))

@@ -33,6 +33,7 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | model_executor.parameter.PackedvLLMParameter / PackedColumnParameter / GroupQuantScaleParameter / ChannelQuantScaleParameter / RowvLLMParameter, model_executor.utils.replace_parameter | GPTQ-layout linear parameters sharded and merged (qkv, gate_up) exactly as vLLM's AutoGPTQLinearMethod creates them | 0.26.0 and 0.34.0 checked, same constructors | - |
 | kernels.linear.MPLinearLayerConfig + kernels.linear.mixed_precision.marlin.MarlinLinearKernel, scalar_type.scalar_types.uint4 | asymmetric GPTQ linears on vLLM's Marlin with integer (AWQ-style) zero points, as compressed-tensors' asymmetric W4A16 runs | 0.26.0: the config has a required `has_g_idx` and the kernel takes `w_gidx_param_name`; 0.34.0: neither (`marlin_zp_linear_kernel`: `dataclasses.fields`). Same zero-point input in both: the zp parameter's `.t()` is (G, N/pack) int32 packed along N, true zeros; `can_implement` takes uint4 only (no uint8 with zero points) | - |
 | vllm._custom_ops.gptq_gemm / gptq_shuffle | asymmetric GPTQ linears Marlin cannot take (int8, act order, other group sizes), float16 only: vLLM's exllama kernel reads GPTQ v1 or v2 zero points natively | 0.26.0: `(a, q, qzeros, scales, g_idx, use_exllama, use_v2_format, bit)`, `gptq_shuffle(q, perm, bit)`; 0.34.0: no `g_idx` / `perm` (no act order) (`gptq_exllama_ops`: "b_g_idx" in its signature) | - |
+| FusedMoEConfig.has_bias / swiglu_limit / swiglu_alpha / swiglu_beta / activation_situ_beta / activation_situ_linear_beta | experts with biases or a clamped/scaled gated activation (gpt-oss, EXAONE-MoE, Bailing-V3, Kimi SituGLU) are refused at load: our kernels compute neither (`layer_expert_math`) | `has_bias`, `swiglu_limit`, `swiglu_alpha` 0.26.0 and 0.34.0; `swiglu_beta`, `activation_situ_*` 0.34.0, absent 0.26.0 (read with a default) | - |
 | config.get_current_vllm_config().cache_config.gpu_memory_utilization / resolved_gpu_memory_utilization() | how much memory composing a layer with Humming may take (`gpu_memory_utilization`) | a float, default 0.9, 0.26-0.33; 0.34 `None` by default, resolved by the method (1.0 with its extensible KV cache) | - |
 | config.VllmConfig / DeviceConfig / set_current_vllm_config, distributed.init_distributed_environment / initialize_model_parallel | building our MoE layers on CPU without an engine (`vllm-wna16 demo` without a GPU, layer tests) | 0.26-0.34 | - |
 
@@ -382,6 +383,28 @@ def gpu_memory_utilization() -> float:
 def layer_activation(layer) -> str:
     act = getattr(layer, "activation", "silu")
     return str(getattr(act, "value", act))
+
+
+# FusedMoEConfig fields that change the experts' math beyond act(x @ W1.T) * (x @ W3.T) @ W2.T, with their plain
+# values. A vLLM without a field never sets it (getattr's default).
+EXPERT_MATH_FIELDS = {
+    "has_bias": False,
+    "swiglu_limit": None,
+    "swiglu_alpha": None,
+    "swiglu_beta": None,
+    "activation_situ_beta": None,
+    "activation_situ_linear_beta": None,
+}
+
+
+def layer_expert_math(layer) -> dict[str, object]:
+    """The layer's EXPERT_MATH_FIELDS that differ from their plain values, {field: value} (empty: plain experts)."""
+    cfg = getattr(layer, "moe_config", None)
+    return {
+        name: getattr(cfg, name)
+        for name, plain in EXPERT_MATH_FIELDS.items()
+        if getattr(cfg, name, plain) not in (plain, None)
+    }
 
 
 def vllm_moe_backend_names() -> tuple[str, ...]:

@@ -17,6 +17,7 @@ import dataclasses
 import torch
 
 from vllm_wna16_plugin import _vllm
+from vllm_wna16_plugin.activation import check_expert_math
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem
 from vllm_wna16_plugin.backends.base import act_order_issue, act_order_padded, act_order_split_issue
 from vllm_wna16_plugin.checkpoint_config import effective_group_size
@@ -92,6 +93,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
         def create_weights(
             self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra
         ):
+            check_expert_math(_vllm.layer_activation(layer), _vllm.layer_expert_math(layer), prefix)
             tp_rank, tp_size = _vllm.layer_tp(layer)
             intermediate = intermediate_size_per_partition * tp_size
             check_packable(scheme.bits, hidden_size, intermediate, prefix)

@@ -304,6 +304,9 @@ TRITON_FORMS = {
     # the swapped tl.dot tile (KernelOptions.swap_ab: C.T = dequant(B) @ A.T, wgmma's M from the weights)
     # on every tile config of 16+ rows auto would run
     "plugin-triton-swap": {"swap_ab": True},
+    # GEMM1 with the gated activation in its epilogue (KernelOptions.triton_fuse_act) on every unsplit GEMM1
+    # auto would run, at the same tiles: one launch fewer, half the programs over N
+    "plugin-triton-fused": {"triton_fuse_act": True},
 }
 
 

@@ -38,8 +38,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vllm_wna16_plugin.kernels.triton import fused_moe
 
-bits, pair, fold, bm, bn, bk, warps, out = sys.argv[1:9]
-bits, pair, fold, bm, bn, bk, warps = map(int, (bits, pair, fold, bm, bn, bk, warps))
+bits, pair, fold, bm, bn, bk, warps, fuse, out = sys.argv[1:10]
+bits, pair, fold, bm, bn, bk, warps, fuse = map(int, (bits, pair, fold, bm, bn, bk, warps, fuse))
 kernel = fused_moe._fused_moe_wna16_pair_kernel if pair else fused_moe._fused_moe_wna16_kernel
 K, N, gs = 4096, 28672, 128  # Mixtral-8x7B GEMM1
 ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8", topk_weights_ptr="*fp32",
@@ -50,7 +50,8 @@ consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, grou
               USE_TD=False, USE_TD_GATHER=False, SPLIT_K=1, HAS_EXPERT_MAP=False, NUM_STAGES=4,
               compute_type=tl.bfloat16, INTERPRET_BF16=False, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk,
               GROUP_SIZE_M=1, FOLD_SCALES=bool(fold), REDUCE_EACH_STEP=bool(fold) or bk > fused_moe.PAIR_ACC_MAX_K,
-              SPLIT_NIBBLES=fold in (1, 4), WORD_NIBBLES=fold in (2, 5), SWAP_AB=fold in (3, 4, 5), HAS_A_PERM=False)
+              SPLIT_NIBBLES=fold in (1, 4), WORD_NIBBLES=fold in (2, 5), SWAP_AB=fold in (3, 4, 5), HAS_A_PERM=False,
+              FUSE_ACT=bool(fuse), ACTIVATION="silu")
 # `fold`: the form (per pair: 1 folded; tl.dot: 1 split, 2 words, 3/4/5 interleaved/split/words swapped)
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 sig, attrs = {}, {}
@@ -118,8 +119,14 @@ def triton_rows(tmp: str) -> list[str]:
         ("tl.dot interleaved 64x128x64 (8 warps)", 4, 0, 0, 64, 128, 64, 8),
         ("tl.dot swapped interleaved 64x128x64 (8 warps)", 4, 0, 3, 64, 128, 64, 8),
         ("tl.dot swapped interleaved 16x128x128 int8", 8, 0, 3, 16, 128, 128, 4),
+        # GEMM1 with the activation fused (TritonMoEConfig.fuse_act): gate and up tiles per K step
+        ("per-pair folded 1x32x256 fused", 4, 1, 1, 1, 32, 256, 4, 1),
+        ("per-pair folded 1x64x256 fused", 4, 1, 1, 1, 64, 256, 4, 1),
+        ("tl.dot word nibbles 16x64x128 fused", 4, 0, 2, 16, 64, 128, 4, 1),
+        ("tl.dot swapped words 16x64x128 fused", 4, 0, 5, 16, 64, 128, 4, 1),
     ]:
-        bits, pair, fold, bm, bn, bk, warps = cfg
+        cfg = (*cfg, 0) if len(cfg) == 7 else tuple(cfg)  # the last field: the activation fused
+        bits, pair, fold, bm, bn, bk, warps, fuse = cfg
         out = os.path.join(tmp, f"{label.replace(' ', '_')}.cubin")
         # ROOT first; a PYTHONPATH of the caller's (e.g. another Triton: PYTHONPATH=/tmp/triton36) after it
         env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT),
@@ -130,7 +137,7 @@ def triton_rows(tmp: str) -> list[str]:
             rows.append(f"| Triton {label} | compile failed: {res.stderr.strip().splitlines()[-1]} | | | |")
             continue
         _, n, ops = max(loops(disassemble(out)), key=lambda f: f[1])
-        per_lane = bn * bk / (32 * warps)  # weights one lane handles per K step (M rows share them)
+        per_lane = (2 if fuse else 1) * bn * bk / (32 * warps)  # weights a lane handles per K step (M rows share them)
         mma = ", ".join(f"{o} {ops[o]}" for o in ("HGMMA", "HMMA") if ops[o]) or "none"
         rows.append(
             f"| Triton {label} | {n} | {n / per_lane:.2f} | {mma} | "

@@ -8,7 +8,9 @@ alone (GEMM1: N=2I, K=H; GEMM2: N=H, K=I) through invoke_wna16_gemm, on real rou
            BLOCK_SIZE_K {64, 128, 256} legal for the group size (per pair also 512, 1024:
            wide_block_k); num_warps 4, num_stages 4.
   stage B  around the best 2 tiles: num_warps {4, 8} x num_stages {3, 4, 5} (and 1 per pair), SPLIT_K {2, 4}
-           when the grid is short of 2 programs per SM, use_td True where td_gate allows it.
+           when the grid is short of 2 programs per SM, use_td True where td_gate allows it; for GEMM1
+           also the activation fused into it (fuse_act, at BLOCK_SIZE_N and half of it). An unfused GEMM1
+           is charged the activation kernel's time at that M, measured here, when the pair is picked.
 
 Every candidate is checked against a float32 torch reference (relative RMS < 1e-2)
 before it is timed; a wrong or failing config is dropped and listed. Timing: a CUDA
@@ -136,6 +138,7 @@ def run_shape(shape: Shape, ms, args, log, deadline, slots_after):
     import torch
 
     from vllm_wna16_plugin.kernels.align import moe_align_block_size_torch
+    from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton
     from vllm_wna16_plugin.kernels.triton.fused_moe import invoke_wna16_gemm
     from vllm_wna16_plugin.kernels.triton.td_gate import decide_td
 
@@ -153,7 +156,7 @@ def run_shape(shape: Shape, ms, args, log, deadline, slots_after):
     }
     results = {}  # (gemm, M) -> {cfg: us}
     rejected = []
-    align_us = {}
+    align_us = {}  # (M, BLOCK_SIZE_M) -> µs of one alignment; (M, "act") -> µs of the activation kernel
     for i, M in enumerate(ms):
         # an equal share of what is left for every (shape, M) still to come: none is starved
         slot_end = time.time() + (deadline - time.time()) / (len(ms) - i + slots_after)
@@ -173,12 +176,15 @@ def run_shape(shape: Shape, ms, args, log, deadline, slots_after):
             for e in torch.unique(topk_ids).tolist():  # setup only, outside any timing
                 p = (ids_flat == e).nonzero().squeeze(1)
                 ref[p] = a[p // a_div].float() @ g.w_ref[e].float().T
+            half = g.N // 2
+            ref_act = torch.nn.functional.silu(ref[:, :half]) * ref[:, half:]  # a fused GEMM1's output
             touched = hit * g.per_copy / shape.E
             n_copies = max(1, min(16, math.ceil(200e6 / touched), int(16e9 // g.per_copy)))
             copies = g.weights(n_copies)
             timed = results.setdefault((name, M), {})
 
-            def measure(cfg, a=a, g=g, ref=ref, copies=copies, a_div=a_div, timed=timed, name=name, gemm_end=gemm_end):
+            def measure(cfg, a=a, g=g, ref=ref, ref_act=ref_act, copies=copies, a_div=a_div, timed=timed, name=name,
+                        gemm_end=gemm_end):  # fmt: skip
                 if cfg in timed or (time.time() > gemm_end and timed):
                     return  # past this M's share: keep what is timed (at least the default)
                 if cfg.BLOCK_SIZE_M > 1 and cfg.BLOCK_SIZE_M not in aligns:
@@ -188,17 +194,20 @@ def run_shape(shape: Shape, ms, args, log, deadline, slots_after):
                                block_size_k=cfg.BLOCK_SIZE_K, M=a.shape[0], K=g.K, bits=g.bits)  # fmt: skip
                 if cfg.use_td and not td.use_td_b:
                     return
-                shape_c = (pairs, g.N) if cfg.SPLIT_K == 1 else (cfg.SPLIT_K, pairs, g.N)
+                n_out = g.N // 2 if cfg.fuse_act else g.N
+                shape_c = (pairs, n_out) if cfg.SPLIT_K == 1 else (cfg.SPLIT_K, pairs, n_out)
                 c = torch.empty(shape_c, dtype=dtype if cfg.SPLIT_K == 1 else torch.float32, device="cuda")
+                act = "silu" if cfg.fuse_act else None
 
                 def call(q, s, c=c):
                     invoke_wna16_gemm(a, q, s, None, c, w_flat, *al, bits=g.bits, top_k=a_div, mul_routed_weight=False,
-                                      config=cfg, td=td, topk_ids=ids_flat)  # fmt: skip
+                                      config=cfg, td=td, topk_ids=ids_flat, activation=act)  # fmt: skip
 
                 try:
                     call(*copies[0])
                     got = (c if cfg.SPLIT_K == 1 else c.sum(0)).float()
-                    err = ((got - ref).norm() / ref.norm()).item()
+                    want = ref_act if cfg.fuse_act else ref
+                    err = ((got - want).norm() / want.norm()).item()
                     if not err < 1e-2:
                         rejected.append((shape.name, name, M, cfg, f"rel err {err:.3g}"))
                         return
@@ -214,8 +223,11 @@ def run_shape(shape: Shape, ms, args, log, deadline, slots_after):
                                   for bm in {c.BLOCK_SIZE_M for c in timed}]  # fmt: skip
             for base in dict.fromkeys(bases):  # the best two, and the best per BLOCK_SIZE_M (joint pick)
                 td_ok = sm >= 90 and g.K % base.BLOCK_SIZE_K == 0 and a.shape[0] > 1
-                for cfg in stage_b(base, M, shape.E, g.N, g.K, shape.top_k, td_ok, g.bits):
+                for cfg in stage_b(base, M, shape.E, g.N, g.K, shape.top_k, td_ok, g.bits, fuse=name == "gemm1"):
                     measure(cfg)
+            if name == "gemm1":  # what an unfused GEMM1 costs on top: the activation kernel on its output
+                h = torch.randn(pairs, g.N, device="cuda", generator=gen).to(dtype)
+                align_us[(M, "act")] = time_graph([lambda h=h: gated_activation_triton(h, "silu")], args.reps)
         for bm in aligns:
             align_us[(M, bm)] = time_graph([lambda bm=bm: align(topk_ids, bm, shape.E, None)], args.reps)
         log(f"{shape.name} M={M}: " + ", ".join(f"{n} {len(results[(n, M)])} timed" for n in gemms))
@@ -223,12 +235,14 @@ def run_shape(shape: Shape, ms, args, log, deadline, slots_after):
 
 
 def pick_joint(t1: dict, t2: dict, align_us: dict, M: int):
-    """(cfg1, cfg2, total µs): the best pair, charging one align launch per distinct BLOCK_SIZE_M > 1."""
+    """(cfg1, cfg2, total µs): the best pair, charging one align launch per distinct BLOCK_SIZE_M > 1 and an
+    unfused GEMM1 the activation kernel (align_us[(M, "act")])."""
     best = None
     for c1, u1 in t1.items():
         for c2, u2 in t2.items():
             bms = {c1.BLOCK_SIZE_M, c2.BLOCK_SIZE_M} - {1}
             total = u1 + u2 + sum(align_us.get((M, bm), 3.0) for bm in bms)
+            total += 0.0 if c1.fuse_act else align_us.get((M, "act"), 0.0)
             if best is None or total < best[2]:
                 best = (c1, c2, total)
     return best
@@ -264,7 +278,7 @@ def main() -> int:
                 distinct = set()
                 for M in ms:
                     a = stage_a(M, s.E, N, K, s.top_k, s.gs, s.bits)
-                    b = [c for base in a[:3] for c in stage_b(base, M, s.E, N, K, s.top_k, True)]
+                    b = [c for base in a[:3] for c in stage_b(base, M, s.E, N, K, s.top_k, True, fuse=name == "gemm1")]
                     distinct |= set(a) | set(b)
                     print(f"{s.name} {name} M={M}: stage A {len(a)}, stage B <= {len(b)}; default {a[0]}")
                 print(f"{s.name} {name}: <= {len(distinct)} distinct configs to compile")
@@ -280,7 +294,7 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)  # noqa: E731
     log(f"{dev} · torch {torch.__version__} · triton {triton.__version__} · budget {args.budget_s:.0f}s")
-    table = ["| shape | M | GEMM1 config | µs | GEMM2 config | µs | default µs (1+2) | tuned µs (1+2+align) |",
+    table = ["| shape | M | GEMM1 config | µs | GEMM2 config | µs | default µs (1+act+2) | tuned µs (1+act+2+align) |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     all_rejected = []
     for si, s in enumerate(shapes):
@@ -296,10 +310,11 @@ def main() -> int:
             files["gemm1"][str(M)], files["gemm2"][str(M)] = c1.to_dict(), c2.to_dict()
             d1 = default_config(M, s.E, 2 * s.I, s.H, s.top_k, s.gs if s.gs != -1 else s.H, s.bits)
             d2 = default_config(M, s.E, s.H, s.I, s.top_k, s.gs if s.gs != -1 else s.I, s.bits)
-            dflt = t1.get(d1, float("nan")) + t2.get(d2, float("nan"))
+            dflt = t1.get(d1, float("nan")) + align_us.get((M, "act"), 0.0) + t2.get(d2, float("nan"))
             fmt = lambda c: (f"{c.BLOCK_SIZE_M}x{c.BLOCK_SIZE_N}x{c.BLOCK_SIZE_K} w{c.num_warps} s{c.num_stages}"  # noqa: E731
                              f"{' k' + str(c.SPLIT_K) if c.SPLIT_K > 1 else ''}{' td' if c.use_td else ''}"
-                             f"{' ' + c.nibbles if c.nibbles else ''}{f' r{c.maxnreg}' if c.maxnreg else ''}")  # fmt: skip
+                             f"{' ' + c.nibbles if c.nibbles else ''}{f' r{c.maxnreg}' if c.maxnreg else ''}"
+                             f"{' swap' if c.swap_ab else ''}{' fused' if c.fuse_act else ''}")  # fmt: skip
             table.append(f"| {s.name} | {M} | {fmt(c1)} | {t1[c1]:.1f} | {fmt(c2)} | {t2[c2]:.1f} | {dflt:.1f} | "
                          f"{total:.1f} |")  # fmt: skip
         for name, g in gemms.items():

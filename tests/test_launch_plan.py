@@ -141,6 +141,10 @@ def test_kernel_options_reach_the_plan():
     swap = dataclasses.replace(problem, options=RunOptions(plan_only=True, kernel=KernelOptions(swap_ab=True)))
     assert plan(swap, 128, H200).gemms[0].form == "words dot, swapped (weights as the MMA's M)"
     assert not any("swapped" in g.form for g in plan(swap, 1, H200).gemms)  # decode: per pair or cuda, no tl.dot
+    fused = dataclasses.replace(problem, options=RunOptions(plan_only=True, kernel=KernelOptions(triton_fuse_act=True)))
+    gate_up, down = plan(fused, 128, H200).gemms
+    assert gate_up.form == "words dot, silu fused" and "fused" not in down.form  # GEMM2 never fuses
+    assert "fused" not in plan(problem, 128, H200).gemms[0].form  # no shipped table fuses
 
 
 @pytest.mark.parametrize(

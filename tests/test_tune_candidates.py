@@ -84,3 +84,22 @@ def test_stage_b_times_the_split_form_and_register_caps_on_dot_tiles_only(tune):
         assert TritonMoEConfig(**entry) == cfg
         assert ("maxnreg" in entry) == (cfg.maxnreg is not None)
         assert ("swap_ab" in entry) == cfg.swap_ab
+
+
+def test_stage_b_times_the_fused_activation_on_unsplit_gemm1_tiles_only(tune):
+    from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig
+
+    for base in (TritonMoEConfig(16, 128, 256), TritonMoEConfig(1, 64, 256)):  # tl.dot and per pair
+        fused = [c for c in tune.stage_b(base, 16, 128, 1536, 2048, 8, td_ok=False, fuse=True) if c.fuse_act]
+        # at the tile's BLOCK_SIZE_N (twice the weight rows a program reads) and at half of it (as many)
+        assert {c.BLOCK_SIZE_N for c in fused} == {base.BLOCK_SIZE_N, base.BLOCK_SIZE_N // 2}
+        assert all(c.SPLIT_K == 1 for c in fused)
+        assert not any(c.fuse_act for c in tune.stage_b(base, 16, 128, 1536, 2048, 8, td_ok=False))  # GEMM2
+    split = TritonMoEConfig(1, 64, 256, SPLIT_K=2)  # partials: the activation kernel sums them
+    assert not any(c.fuse_act for c in tune.stage_b(split, 1, 8, 28672, 4096, 2, td_ok=False, fuse=True))
+    # the unfused GEMM1 pays the activation kernel when the pair is picked; the fused one does not
+    plain, fused = TritonMoEConfig(16, 64, 128), TritonMoEConfig(16, 32, 128, fuse_act=True)
+    g2 = {TritonMoEConfig(16, 64, 64): 10.0}
+    costs = {(8, 16): 2.0, (8, "act"): 3.0}
+    assert tune.pick_joint({plain: 20.0, fused: 22.0}, g2, costs, 8)[0] == fused  # 22 < 20 + 3
+    assert tune.pick_joint({plain: 20.0, fused: 24.0}, g2, costs, 8)[0] == plain

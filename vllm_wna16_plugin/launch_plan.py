@@ -90,7 +90,7 @@ class LaunchPlan:
 
 
 def _triton_gemms(problem: MoEProblem, m: int, device: DeviceSpec, launch) -> tuple[GemmPlan, ...]:
-    from vllm_wna16_plugin.kernels.triton.configs import dot_form, pair_step, swap_form
+    from vllm_wna16_plugin.kernels.triton.configs import dot_form, fuse_form, pair_step, swap_form
     from vllm_wna16_plugin.kernels.triton.td_gate import decide_td, td_request_from_env
 
     opts = problem.options.kernel
@@ -109,6 +109,7 @@ def _triton_gemms(problem: MoEProblem, m: int, device: DeviceSpec, launch) -> tu
         ("down", launch.gemm2, m * problem.top_k, problem.intermediate, False),
     ):
         cfg = swap_form(choice.config, opts)
+        cfg = fuse_form(cfg, opts) if gemm == "gate/up" else cfg  # GEMM2 never fuses
         # the kernel layout's rows are K*bits/8 bytes from a 16-byte aligned base (packing.py)
         on_words = (k * bits // 8) % 4 == 0
         td = decide_td(requested=requested, platform=device.platform, sm=device.sm, block_size_m=cfg.BLOCK_SIZE_M,
@@ -121,6 +122,8 @@ def _triton_gemms(problem: MoEProblem, m: int, device: DeviceSpec, launch) -> tu
             if cfg.swap_ab:
                 form += ", swapped (weights as the MMA's M)"
         tds = "off" if not td.use_td_b else ("B + A-gather" if td.use_gather else "B")
+        if gemm == "gate/up" and cfg.fuse_act:
+            form += f", {problem.activation} fused"
         if gemm == "gate/up" and problem.has_g_idx:
             form += ", A gathered into pair rows first" if rows_form else ", A gathered in its loads (act order)"
         rows.append(GemmPlan(gemm, kernel, (cfg.BLOCK_SIZE_M, cfg.BLOCK_SIZE_N, cfg.BLOCK_SIZE_K), cfg.SPLIT_K,

@@ -8,6 +8,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from dataclasses import replace  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -635,6 +637,107 @@ def test_swap_policy():
     assert entry["swap_ab"] is True and Cfg(**entry) == Cfg(16, 64, 128, swap_ab=True)
 
 
+# GEMM1 with the gated activation in its epilogue (TritonMoEConfig.fuse_act, KernelOptions.triton_fuse_act): one
+# program reads gate rows n and up rows I + n against one A tile. (M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype,
+# config, options, activation)
+FUSE = KernelOptions(triton_fuse_act=True)
+# fmt: off
+FUSED_CASES = [
+    # decode, per pair: the folded int4 step and the tile step (K tail H=320 under BLOCK_K 128), int8, gelu
+    pytest.param(1, 320, 96, 4, 2, 4, 32, 32, True, BF16, Cfg(1, 32, 128), FUSE, "silu", id="pair-fold-int4-asym"),
+    pytest.param(2, 320, 96, 4, 2, 4, 32, 32, False, FP16, Cfg(1, 64, 128),
+                 KernelOptions(triton_fuse_act=True, pair_step_math="tile"), "gelu", id="pair-tile-int4-gelu-fp16"),
+    pytest.param(1, 256, 64, 8, 2, 8, 64, 64, True, BF16, Cfg(1, 32, 512), FUSE, "silu", id="pair-int8-wideK"),
+    # tl.dot: words (BLOCK_K 128), split, interleave; N = I = 176 not a multiple of BLOCK_N 64 (wrapped rows)
+    pytest.param(5, 256, 176, 4, 2, 4, 64, 16, True, BF16, Cfg(16, 64, 128), FUSE, "silu", id="dot-words-I176"),
+    pytest.param(5, 256, 64, 4, 2, 4, 64, 64, True, FP16, Cfg(16, 32, 128),
+                 KernelOptions(triton_fuse_act=True, dot_nibbles="split"), "gelu", id="dot-split-gelu-fp16"),
+    pytest.param(3, 1344, 32, 4, 2, 4, 32, 32, True, BF16, Cfg(16, 32, 128),
+                 KernelOptions(triton_fuse_act=True, dot_nibbles="interleave"), "silu", id="dot-interleave-K1344"),
+    # channel-wise int8 with zero points; the config's own opinion (no option)
+    pytest.param(4, 128, 96, 4, 2, 8, -1, -1, True, FP16, Cfg(16, 32, 64, fuse_act=True), KernelOptions(), "silu",
+                 id="dot-int8-channelwise-config"),
+    # swapped tile, 32 token rows
+    pytest.param(40, 96, 176, 2, 2, 4, 32, 16, False, FP16, Cfg(32, 64, 32, GROUP_SIZE_M=8),
+                 KernelOptions(triton_fuse_act=True, swap_ab=True), "silu", id="dot-swapped-BM32"),
+    # top_k 1: GEMM2 writes the output rows directly
+    pytest.param(6, 256, 64, 4, 1, 4, 128, 32, False, BF16, Cfg(16, 32, 64), FUSE, "silu", id="dot-topk1"),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize("M,H,inter,E,top_k,bits,gs1,gs2,zp,dtype,config,options,activation", FUSED_CASES)
+def test_fused_activation_matches_reference_and_the_unfused_layer(
+    M, H, inter, E, top_k, bits, gs1, gs2, zp, dtype, config, options, activation
+):
+    p = make_moe_problem(M=M, H=H, inter=inter, E=E, top_k=top_k, bits=bits, gs1=gs1, gs2=gs2, zp=zp, dtype=dtype,
+                         seed=700 + M + H + inter)  # fmt: skip
+    assert configs.fuse_form(config, options).fuse_act
+    out, ref = run_both(p, use_td=False, configs=config, options=options, activation=activation,
+                        reference_kwargs=dict(activation=activation))  # fmt: skip
+    assert_close_scaled(out, ref, dtype, f"fused {activation}")
+    # the same tiles unfused, then the activation kernel: the same roundings in the same order, bit for bit
+    unfused = fused_moe_wna16_triton(*p.args(), **p.kwargs(), use_td=False, configs=replace(config, fuse_act=False),
+                                     options=replace(options, triton_fuse_act=False), activation=activation)  # fmt: skip
+    assert torch.equal(out, unfused), (out.float() - unfused.float()).abs().max()
+
+
+@pytest.mark.parametrize("bm", [1, 16])
+def test_fused_activation_with_router_weight_on_input_td_and_ep(td_decisions, bm):
+    """The routed weight scales both halves before the activation (apply_router_weight_on_input, top_k 1); the
+    B descriptor spans the 2I rows; experts of another rank write zeros."""
+    p = make_moe_problem(M=6, H=128, inter=64, E=4, top_k=1, bits=4, gs1=32, gs2=32, zp=True, seed=77,
+                         num_global_experts=8)  # fmt: skip
+    p.topk_weights = torch.rand(p.topk_weights.shape, generator=torch.Generator().manual_seed(7)) + 0.25
+    emap = torch.tensor([0, -1, 1, -1, 2, -1, 3, -1], dtype=torch.int32)
+    kw = dict(apply_router_weight_on_input=True, expert_map=emap)
+    out, ref = run_both(p, use_td=True, configs=Cfg(bm, 32, 64), options=FUSE, global_num_experts=8, **kw,
+                        reference_kwargs=kw)  # fmt: skip
+    assert_close_scaled(out, ref, BF16, "fused, weight on input, TD, EP")
+    assert any(d.use_td_b for d in td_decisions)
+
+
+def test_one_fused_gemm_is_the_activation_of_the_unfused_one():
+    """invoke_wna16_gemm with an activation writes act(g[:, :I]) * g[:, I:] of the plain GEMM's output g, I columns
+    wide: a kernel that paired the wrong rows (gate n with up n + 1, or up from another expert) fails here."""
+    from vllm_wna16_plugin.activation import gated_activation
+
+    p = make_moe_problem(M=3, H=64, inter=48, E=1, top_k=1, bits=4, gs1=32, gs2=16, zp=True, seed=43)
+    sorted_ids, expert_ids, npp = moe_align_block_size_torch(p.topk_ids, 16, 1)
+    args = (p.x, p.w13.qweight, p.w13.scales, p.w13.qzeros)
+    g = torch.full((3, 96), float("nan"), dtype=BF16)
+    invoke_wna16_gemm(*args, g, None, sorted_ids, expert_ids, npp, bits=4, top_k=1, mul_routed_weight=False,
+                      config=Cfg(16, 32, 64), td=POINTERS)  # fmt: skip
+    c = torch.full((3, 48), float("nan"), dtype=BF16)
+    invoke_wna16_gemm(*args, c, None, sorted_ids, expert_ids, npp, bits=4, top_k=1, mul_routed_weight=False,
+                      config=Cfg(16, 32, 64), td=POINTERS, activation="silu")  # fmt: skip
+    assert torch.equal(c, gated_activation(g, "silu"))
+    with pytest.raises(ValueError, match="c has 96 columns, the GEMM writes N=48"):
+        invoke_wna16_gemm(*args, g, None, sorted_ids, expert_ids, npp, bits=4, top_k=1, mul_routed_weight=False,
+                          config=Cfg(16, 32, 64), td=POINTERS, activation="silu")  # fmt: skip
+    with pytest.raises(ValueError, match="SPLIT_K=1"):
+        invoke_wna16_gemm(*args, c, None, sorted_ids, expert_ids, npp, bits=4, top_k=1, mul_routed_weight=False,
+                          config=Cfg(16, 32, 32, SPLIT_K=2), td=POINTERS, activation="silu")  # fmt: skip
+
+
+def test_fuse_policy():
+    fuse = configs.fuse_form
+    assert fuse(Cfg(16, 64, 128), KernelOptions()) == Cfg(16, 64, 128)  # the config's own opinion: unfused
+    assert fuse(Cfg(16, 64, 128, fuse_act=True), KernelOptions()).fuse_act
+    assert not fuse(Cfg(16, 64, 128, fuse_act=True), KernelOptions(triton_fuse_act=False)).fuse_act
+    assert fuse(Cfg(1, 64, 128), FUSE).fuse_act  # per pair too
+    assert not fuse(Cfg(16, 64, 64, SPLIT_K=2), FUSE).fuse_act  # split partials: the activation kernel sums them
+    with pytest.raises(ValueError, match="fuse_act=True needs SPLIT_K=1"):
+        Cfg(16, 64, 64, SPLIT_K=2, fuse_act=True)
+    with pytest.raises(ValueError, match="fuse_act=1 must be True or False"):
+        Cfg(16, 32, 64, fuse_act=1)
+    with pytest.raises(ValueError, match="triton_fuse_act='on' must be None, True or False"):
+        KernelOptions(triton_fuse_act="on")
+    assert "fuse_act" not in Cfg(16, 64, 128).to_dict()
+    entry = Cfg(16, 64, 128, fuse_act=True).to_dict()
+    assert entry["fuse_act"] is True and Cfg(**entry) == Cfg(16, 64, 128, fuse_act=True)
+
+
 def test_pair_step_policy():
     assert configs.pair_step(4, True, "fold") == "fold"
     assert configs.pair_step(4, False, "fold") == "tile"  # the folded step reads int4 rows as words
@@ -892,7 +995,8 @@ consts = dict(stride_ak=1, stride_cn=1, stride_sg=1, stride_zg=1, N=N, K=K, grou
               GROUP_SIZE_M=1, FOLD_SCALES=fold, REDUCE_EACH_STEP=fold or bk > fused_moe.PAIR_ACC_MAX_K,
               SPLIT_NIBBLES=form == 1, WORD_NIBBLES=form == 2,
               HAS_A_PERM=os.environ.get("AOT_A_PERM") == "1",  # act order: A's columns through a_perm
-              SWAP_AB=os.environ.get("AOT_SWAP") == "1")  # the swapped tile (TritonMoEConfig.swap_ab)
+              SWAP_AB=os.environ.get("AOT_SWAP") == "1",  # the swapped tile (TritonMoEConfig.swap_ab)
+              FUSE_ACT=os.environ.get("AOT_FUSE") == "1", ACTIVATION="silu")  # GEMM1 with the activation fused
 consts = {k: v for k, v in consts.items() if k in kernel.arg_names}
 divisible = ("stride_am", "stride_be", "stride_bn", "stride_cm", "stride_cs", "stride_se", "stride_ze", "stride_zn")
 sig, attrs = {}, {}
@@ -926,16 +1030,17 @@ print(*tags)
 """
 
 
-def _compile_for_gpu(*args, a_perm: bool = False, swap: bool = False) -> set[str]:
+def _compile_for_gpu(*args, a_perm: bool = False, swap: bool = False, fuse: bool = False) -> set[str]:
     """Run _AOT_SCRIPT (sm, bits, td, gather, even_k, pair[, block_k]) and return the PTX's tags;
-    a_perm: the act-order variant (HAS_A_PERM); swap: the swapped tile (SWAP_AB)."""
+    a_perm: the act-order variant (HAS_A_PERM); swap: the swapped tile (SWAP_AB); fuse: GEMM1 with the
+    activation fused (FUSE_ACT)."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(fused_moe.__file__).parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(root), "AOT_A_PERM": "1" if a_perm else "0",
-           "AOT_SWAP": "1" if swap else "0"}  # fmt: skip
+           "AOT_SWAP": "1" if swap else "0", "AOT_FUSE": "1" if fuse else "0"}  # fmt: skip
     res = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, *map(str, args)], capture_output=True, text=True,
                          env=env, timeout=300)  # fmt: skip
     if res.returncode and "ptxas" in res.stderr and "not found" in res.stderr:
@@ -999,6 +1104,27 @@ def test_swapped_tile_runs_on_wgmma_where_the_plain_tile_cannot(bm, bn, form):
         swapped = _compile_for_gpu(90, 4, 0, 0, even_k, 0, 128, form, bm, bn, 4, swap=True)
         assert "MMASYNC" in plain and "WGMMA" not in plain, plain
         assert "WGMMA" in swapped and "CPASYNC16" in swapped, swapped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "pair,td,bk,form,bm,bn,want",
+    [
+        pytest.param(0, 0, 128, 2, 16, 64, "CPASYNC16", id="dot-words-16x64x128"),
+        pytest.param(0, 0, 128, 0, 32, 64, "CPASYNC16", id="dot-interleave-32x64x128"),
+        pytest.param(0, 1, 128, 0, 16, 64, "TMA", id="dot-td-16x64x128"),
+        pytest.param(1, 0, 256, 1, 1, 32, "LDV4", id="pair-fold-1x32x256"),
+        pytest.param(1, 1, 256, 1, 1, 32, "TMA", id="pair-fold-td-1x32x256"),
+    ],
+)
+def test_fused_activation_kernels_compile_for_sm90_without_spills(pair, td, bk, form, bm, bn, want):
+    """GEMM1 with the activation fused reads two B tiles per K step (gate and up rows) into two accumulators: on
+    sm90 it keeps the plain kernel's B loads (16-byte async / vector, or TMA) and spills no registers at the
+    tile sizes the default configs use at decode and small M. K tails too."""
+    for even_k in (1, 0):
+        tags = _compile_for_gpu(90, 4, td, 0, even_k, pair, bk, form, bm, bn, 4, fuse=True)
+        local = int(next(t for t in tags if t.startswith("LOCAL=")).split("=")[1])
+        assert want in tags and local <= 4, tags
 
 
 @pytest.mark.slow

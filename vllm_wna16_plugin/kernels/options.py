@@ -160,6 +160,13 @@ class KernelOptions:
       64 rows of the M operand but takes 8-256 of N: 16-64 routed tokens per expert fit N, the weight
       tile's 64-128 rows fit M. Not yet timed on a GPU (bench_moe.py: plugin-triton-swap; the tuners'
       stage B times it), so no default swaps.
+    triton_fuse_act: the Triton layer's GEMM1 computes the gated activation in its epilogue (configs.fuse_form,
+      TritonMoEConfig.fuse_act): None = each GEMM1 config's own opinion (False in every shipped table), True =
+      every GEMM1 not split along K, False = never. Fused, one program reads the gate and the up rows of its
+      columns against one A tile and writes act(gate) * up: one launch fewer per layer call and no (M * top_k,
+      2I) intermediate, against half as many programs over N, each with two accumulators. The CUDA layer fuses
+      where its tensor-core kernel runs. Not yet timed in Triton (bench_moe.py: plugin-triton-fused; the tuners'
+      stage B times it against GEMM1 plus the activation kernel), so nothing fuses by default.
     """
 
     use_td: bool | None = None
@@ -176,9 +183,14 @@ class KernelOptions:
     programmatic_launch: bool = True
     triton_act_order: str = "load"
     swap_ab: bool | None = None
+    triton_fuse_act: bool | None = None
 
     def __post_init__(self) -> None:
-        for name, value in (("use_td", self.use_td), ("swap_ab", self.swap_ab)):
+        for name, value in (
+            ("use_td", self.use_td),
+            ("swap_ab", self.swap_ab),
+            ("triton_fuse_act", self.triton_fuse_act),
+        ):
             if value not in (None, True, False):
                 raise ValueError(f"{name}={value!r} must be None, True or False")
         for name, value, allowed in (

@@ -5,8 +5,8 @@ For each distinct MoE scheme that loading resolves (doctor's resolution, one ran
 size M, on random weights of the layer's shape and random routing:
 
   1. GEMM1's Triton config: the shipped plan's, then candidates.stage_a's tiles and stage_b around the
-     fastest, each timed as the whole layer with GEMM2 at the shipped plan's config; then GEMM2's the
-     same way, with GEMM1's winner;
+     fastest (GEMM1 also with the activation fused), each timed as the whole layer with GEMM2 at the shipped
+     plan's config; then GEMM2's the same way, with GEMM1's winner;
   2. the `cuda` backend's layer, where it can run the shape.
 
 Every candidate's output is compared with the float32 reference on the same inputs first (relative RMS
@@ -234,7 +234,7 @@ def tune_slot(
         if not timed:
             return first
         best = min(timed, key=timed.get)
-        around = stage_b(best, m, p.num_experts, n, k, p.top_k, False, p.scheme.bits)
+        around = stage_b(best, m, p.num_experts, n, k, p.top_k, False, p.scheme.bits, fuse=which == 1)
         for c in around[: None if max_candidates is None else max_candidates]:
             measure(pair(c), timed, c)
         return min(timed, key=timed.get)

@@ -2,7 +2,8 @@
 
     out[t, i] = act(h[t, i]) * h[t, I + i],  act = silu or gelu (erf), float32 math,
 
-rounded once to out.dtype. `h` is either the GEMM1 output (T, 2I) in the activation
+rounded once to out.dtype (GEMM1 computes the same in its epilogue where it fuses the activation:
+TritonMoEConfig.fuse_act). `h` is either the GEMM1 output (T, 2I) in the activation
 dtype, or split-K partials (SPLIT, T, 2I) float32 that are summed here and rounded to
 the activation dtype first (the rounding point of an unsplit GEMM1). The torch form
 for other callers is vllm_wna16_plugin.activation.gated_activation.
@@ -18,6 +19,17 @@ from vllm_wna16_plugin.kernels.triton.dequant import _round_to
 
 ACTIVATIONS = ("silu", "gelu")
 _TL_TYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _gated(gate, up, ACTIVATION: tl.constexpr):
+    """act(gate) * up in float32 (gate, up float32): silu(g) = g / (1 + e^-g), gelu(g) = g/2 (1 + erf(g / sqrt 2)).
+    The one home of the math: this kernel's, and GEMM1's epilogue when it fuses the activation."""
+    if ACTIVATION == "silu":
+        act = gate / (1.0 + tl.exp(-gate))
+    else:
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    return act * up
 
 
 @triton.jit
@@ -51,12 +63,8 @@ def _gated_activation_kernel(
         # the unsplit GEMM1 stores h in the compute type: round there too
         gate = _round_to(gate, compute_type, RNE_BY_HAND).to(tl.float32)
         up = _round_to(up, compute_type, RNE_BY_HAND).to(tl.float32)
-    if ACTIVATION == "silu":
-        act = gate / (1.0 + tl.exp(-gate))
-    else:
-        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
-    y = act * up
-    tl.store(out_ptr + row * stride_ot + offs, _round_to(y, compute_type, RNE_BY_HAND), mask=mask)
+    tl.store(out_ptr + row * stride_ot + offs, _round_to(_gated(gate, up, ACTIVATION), compute_type, RNE_BY_HAND),
+             mask=mask)  # fmt: skip
 
 
 def _is_interpreter() -> bool:

@@ -90,10 +90,21 @@ REGISTER_CAPS = (128, 168)  # 4 and 3 programs of 4 warps per SM by registers (6
 
 
 def stage_b(
-    base: TritonMoEConfig, M: int, E: int, N: int, K: int, top_k: int, td_ok: bool, bits: int = 4
+    base: TritonMoEConfig,
+    M: int,
+    E: int,
+    N: int,
+    K: int,
+    top_k: int,
+    td_ok: bool,
+    bits: int = 4,
+    fuse: bool = False,
 ) -> list[TritonMoEConfig]:
     """Warps / stages / split-K / TD around one tile; for tl.dot tiles also the split int4 form and
-    register caps (a 16x128x256 words tile takes 212 registers a thread on sm90: 2 programs per SM)."""
+    register caps (a 16x128x256 words tile takes 212 registers a thread on sm90: 2 programs per SM).
+    fuse (GEMM1 only): also the tile with the activation fused (TritonMoEConfig.fuse_act), at its BLOCK_SIZE_N
+    (twice the weight rows per program) and at half of it (the same rows per program); callers time a fused
+    candidate against an unfused one plus the activation kernel."""
     out = []
     for warps in (4, 8):
         for stages in (1, 3, 4, 5) if base.per_pair else (3, 4, 5):  # per pair, 1 = register loads, no pipeline
@@ -112,6 +123,10 @@ def stage_b(
         out += [replace(base, maxnreg=cap) for cap in REGISTER_CAPS if base.maxnreg is None]
         if swap_worth_timing(base):
             out.append(replace(base, swap_ab=True))
+    if fuse and base.SPLIT_K == 1 and not base.fuse_act:
+        out.append(replace(base, fuse_act=True))
+        if base.BLOCK_SIZE_N >= 32:
+            out.append(replace(base, fuse_act=True, BLOCK_SIZE_N=base.BLOCK_SIZE_N // 2))
     return [c for c in out if c != base]
 
 

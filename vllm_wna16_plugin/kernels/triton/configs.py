@@ -46,6 +46,10 @@ class TritonMoEConfig:
     # a tuned opinion on the swapped tile (dequant._tile_dot): the weight tile as the MMA's M operand,
     # the token rows as its N (wgmma on sm90 at 16-64 tokens per expert); BLOCK_SIZE_M >= 16 only
     swap_ab: bool = False
+    # a tuned opinion on GEMM1 with the gated activation in its epilogue (fuse_form; GEMM2 never fuses):
+    # BLOCK_SIZE_N then counts output columns of I, and a program reads 2 * BLOCK_SIZE_N weight rows (gate and
+    # up); one launch and the (M * top_k, 2I) round trip fewer. The activation needs whole sums: SPLIT_K == 1
+    fuse_act: bool = False
 
     @property
     def per_pair(self) -> bool:
@@ -89,6 +93,12 @@ class TritonMoEConfig:
             raise ValueError(
                 f"swap_ab=True needs BLOCK_SIZE_M >= 16 (the token rows are the dot's N), got {self.BLOCK_SIZE_M}"
             )
+        if not isinstance(self.fuse_act, bool):
+            raise ValueError(f"fuse_act={self.fuse_act!r} must be True or False")
+        if self.fuse_act and self.SPLIT_K != 1:
+            raise ValueError(
+                f"fuse_act=True needs SPLIT_K=1 (the activation needs GEMM1's whole sums), got SPLIT_K={self.SPLIT_K}"
+            )
         if self.maxnreg is not None and not (isinstance(self.maxnreg, int) and 24 <= self.maxnreg <= 255):
             raise ValueError(f"maxnreg={self.maxnreg!r} must be None or an int in [24, 255] (registers per thread)")
 
@@ -108,11 +118,11 @@ class TritonMoEConfig:
             )
 
     def to_dict(self) -> dict:
-        """The JSON entry; the optional tuned fields (nibbles, maxnreg, swap_ab) only when set."""
+        """The JSON entry; the optional tuned fields (nibbles, maxnreg, swap_ab, fuse_act) only when set."""
         return {
             k: v
             for k, v in asdict(self).items()
-            if (v is not None or k not in ("nibbles", "maxnreg")) and (v or k != "swap_ab")
+            if (v is not None or k not in ("nibbles", "maxnreg")) and (v or k not in ("swap_ab", "fuse_act"))
         }
 
 
@@ -290,6 +300,16 @@ def swap_form(config: TritonMoEConfig, options) -> TritonMoEConfig:
     if want is None or config.per_pair or want == config.swap_ab or (want and config.BLOCK_SIZE_M < 16):
         return config
     return replace(config, swap_ab=want)
+
+
+def fuse_form(config: TritonMoEConfig, options) -> TritonMoEConfig:
+    """GEMM1's config under KernelOptions.triton_fuse_act (`options`): None keeps the config's own fuse_act (False
+    unless a tuner measured it), True fuses the activation into every GEMM1 that is not split along K (split
+    partials are summed by the activation kernel), False none. GEMM2 never fuses: callers apply this to GEMM1."""
+    want = getattr(options, "triton_fuse_act", None)
+    if want is None or want == config.fuse_act or (want and config.SPLIT_K != 1):
+        return config
+    return replace(config, fuse_act=want)
 
 
 def pair_step(bits: int, rows_on_words: bool, want: str) -> str:

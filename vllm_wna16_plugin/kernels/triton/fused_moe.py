@@ -37,8 +37,15 @@ import triton.language as tl
 from vllm_wna16_plugin.inputs import check_layer_tensors, routing_contiguous
 from vllm_wna16_plugin.kernels.align import moe_align_block_size_torch
 from vllm_wna16_plugin.kernels.options import DEFAULT_OPTIONS, DeviceSpec, KernelOptions
-from vllm_wna16_plugin.kernels.triton.activation import gated_activation_triton, moe_sum_triton
-from vllm_wna16_plugin.kernels.triton.configs import TritonMoEConfig, dot_form, pair_step, swap_form, triton_launch
+from vllm_wna16_plugin.kernels.triton.activation import _gated, gated_activation_triton, moe_sum_triton
+from vllm_wna16_plugin.kernels.triton.configs import (
+    TritonMoEConfig,
+    dot_form,
+    fuse_form,
+    pair_step,
+    swap_form,
+    triton_launch,
+)
 from vllm_wna16_plugin.kernels.triton.dequant import (
     _dequant_b_tile,
     _folded_dot_step,
@@ -220,12 +227,75 @@ def _dequant_k_step(
 
 
 @triton.jit
+def _fused_epilogue(gate, up, ACTIVATION: tl.constexpr, compute_type: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """GEMM1's fused activation: both halves rounded to compute_type first (where the unfused GEMM1 stores h),
+    then act(gate) * up in float32 (activation._gated)."""
+    gate = _round_to(gate, compute_type, INTERPRET_BF16).to(tl.float32)
+    up = _round_to(up, compute_type, INTERPRET_BF16).to(tl.float32)
+    return _gated(gate, up, ACTIVATION)
+
+
+@triton.jit
 def _store_c(c_ptrs, acc, c_mask, SPLIT_K: tl.constexpr, compute_type: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """SPLIT_K == 1: the finished tile in compute_type; else this slice's float32 partial."""
     if SPLIT_K == 1:
         tl.store(c_ptrs, _round_to(acc, compute_type, INTERPRET_BF16), mask=c_mask)
     else:
         tl.store(c_ptrs, acc, mask=c_mask)
+
+
+@triton.jit
+def _dot_k_step(
+    acc, a, b_ptr, b_desc, b_words, s_ptr, z_ptr, expert, offs_n, offs_kb, offs_kw, n0, k0,
+    stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+    K: tl.constexpr, group_size: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS: tl.constexpr, BITS: tl.constexpr,
+    HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_TD: tl.constexpr, compute_type: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    SPLIT_NIBBLES: tl.constexpr, WORD_NIBBLES: tl.constexpr, SWAP_AB: tl.constexpr,
+):  # fmt: skip
+    """acc + A_tile @ dequant(B[expert, offs_n, K step k0]).T in the launch's dot form (dot_form): B rows
+    offs_n (n0 their first, for the descriptor), one K step; acc is (BLOCK_M, BLOCK_N), or swapped its transpose."""
+    KB: tl.constexpr = K * BITS // 8
+    BLOCK_KB: tl.constexpr = BLOCK_SIZE_K * BITS // 8
+    if WORD_NIBBLES:
+        words = _load_b_tile(
+            b_words, b_desc, expert, offs_n, offs_kw, n0, k0, KB // 4,
+            stride_be // 4, stride_bn // 4, BITS, BLOCK_SIZE_N, BLOCK_KB // 4, EVEN_K, False, 32,
+        )  # fmt: skip
+        scale, zero = _load_group_params(
+            s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
+            stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
+        )  # fmt: skip
+        acc = _word_nibble_dots(acc, a, words, scale, zero, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUPS,
+                                compute_type, INTERPRET_BF16, SWAP_AB)  # fmt: skip
+    elif SPLIT_NIBBLES:
+        # int4 without the interleave: low nibbles (even k) and high nibbles (odd k) each
+        # dequantize to a (BLOCK_N, BLOCK_K / 2) tile, and meet the even and odd columns of A in
+        # two dots of half the K. Both halves of a byte share its scale group.
+        packed = _load_b_tile(
+            b_ptr, b_desc, expert, offs_n, offs_kb, n0, k0, KB, stride_be, stride_bn,
+            BITS, BLOCK_SIZE_N, BLOCK_KB, EVEN_K, USE_TD, 8,
+        )  # fmt: skip
+        scale, zero = _load_group_params(
+            s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
+            stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
+        )  # fmt: skip
+        w_even = _dequant_b_tile(packed & 0xF, scale, zero, BLOCK_SIZE_N, BLOCK_KB, GROUPS, BITS, compute_type,
+                                 INTERPRET_BF16)  # fmt: skip
+        w_odd = _dequant_b_tile(packed >> 4, scale, zero, BLOCK_SIZE_N, BLOCK_KB, GROUPS, BITS, compute_type,
+                                INTERPRET_BF16)  # fmt: skip
+        a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_SIZE_M, BLOCK_KB, 2)))
+        acc = _tile_dot(acc, a_even, w_even, SWAP_AB, INTERPRET_BF16)
+        acc = _tile_dot(acc, a_odd, w_odd, SWAP_AB, INTERPRET_BF16)
+    else:
+        w = _dequant_k_step(
+            b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, n0, k0,
+            stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+            K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
+            BLOCK_SIZE_N, BLOCK_SIZE_K,
+        )  # fmt: skip
+        acc = _tile_dot(acc, a, w, SWAP_AB, INTERPRET_BF16)
+    return acc
 
 
 @triton.jit
@@ -280,8 +350,12 @@ def _fused_moe_wna16_kernel(
     WORD_NIBBLES: tl.constexpr,  # int4: B as 32-bit words, eight dots of K/8 (dot_nibbles "words"; pointer path)
     HAS_A_PERM: tl.constexpr,  # act order: K row k of A is column a_perm[e, k] (never with USE_TD_GATHER)
     SWAP_AB: tl.constexpr,  # accumulate C.T = dequant(B) @ A.T (dequant._tile_dot), in every dot form
+    FUSE_ACT: tl.constexpr = False,  # GEMM1 with the gated activation in its epilogue: B has 2N rows, C is N wide
+    ACTIVATION: tl.constexpr = "silu",  # read when FUSE_ACT
 ):
-    """C[p, :] = (w_p if MUL_ROUTED_WEIGHT) * A[p // top_k] @ dequant(B[e_p]).T for routed pairs p.
+    """C[p, :] = (w_p if MUL_ROUTED_WEIGHT) * A[p // top_k] @ dequant(B[e_p]).T for routed pairs p; fused
+    (FUSE_ACT, SPLIT_K == 1): C[p, n] = act(round(G[p, n])) * round(G[p, N + n]) for that product G, B of 2N rows,
+    the gate and up tiles of one program sharing its A loads (activation._gated, rounded as the unfused path).
 
     Grid: (cdiv(EM_GRID, BLOCK_SIZE_M) * cdiv(N, BLOCK_SIZE_N), SPLIT_K). A block of sorted
     pairs whose expert is -1 writes zeros. Slice s of SPLIT_K covers K tiles
@@ -325,10 +399,12 @@ def _fused_moe_wna16_kernel(
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     offs_kb = tl.arange(0, BLOCK_KB)
     a_rows = pairs // top_k  # padding pairs land on row num_a_rows: masked / out of the descriptor
+    B_ROWS: tl.constexpr = 2 * N if FUSE_ACT else N
+    n0 = pid_n * BLOCK_SIZE_N
     b_desc = None
     if USE_TD:
         b_desc = tl.make_tensor_descriptor(
-            b_ptr, shape=[E, N, KB], strides=[stride_be, stride_bn, 1], block_shape=[1, BLOCK_SIZE_N, BLOCK_KB]
+            b_ptr, shape=[E, B_ROWS, KB], strides=[stride_be, stride_bn, 1], block_shape=[1, BLOCK_SIZE_N, BLOCK_KB]
         )
     if USE_TD_GATHER:
         a_desc = tl.make_tensor_descriptor(
@@ -342,6 +418,8 @@ def _fused_moe_wna16_kernel(
         acc = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    if FUSE_ACT:
+        acc_up = tl.zeros_like(acc)
     for k in range(0, TILES_PER_SPLIT):
         k0 = (split * TILES_PER_SPLIT + k) * BLOCK_SIZE_K
         if USE_TD_GATHER:
@@ -349,51 +427,75 @@ def _fused_moe_wna16_kernel(
         else:
             a = _load_a_tile_ptr(a_ptr, a_rows, pair_mask, offs_k, k0, K, stride_am, stride_ak, EVEN_K,
                                  a_perm_ptr, expert, HAS_A_PERM)  # fmt: skip
-        if WORD_NIBBLES:
-            words = _load_b_tile(
-                b_words, b_desc, expert, offs_n, offs_kw, pid_n * BLOCK_SIZE_N, k0, KB // 4,
-                stride_be // 4, stride_bn // 4, BITS, BLOCK_SIZE_N, BLOCK_KB // 4, EVEN_K, False, 32,
-            )  # fmt: skip
-            scale, zero = _load_group_params(
-                s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
-                stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
-            )  # fmt: skip
-            acc = _word_nibble_dots(acc, a, words, scale, zero, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUPS,
-                                    compute_type, INTERPRET_BF16, SWAP_AB)  # fmt: skip
-        elif SPLIT_NIBBLES:
-            # int4 without the interleave: low nibbles (even k) and high nibbles (odd k) each
-            # dequantize to a (BLOCK_N, BLOCK_K / 2) tile, and meet the even and odd columns of A in
-            # two dots of half the K. Both halves of a byte share its scale group.
-            packed = _load_b_tile(
-                b_ptr, b_desc, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0, KB, stride_be, stride_bn,
-                BITS, BLOCK_SIZE_N, BLOCK_KB, EVEN_K, USE_TD, 8,
-            )  # fmt: skip
-            scale, zero = _load_group_params(
-                s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
-                stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
-            )  # fmt: skip
-            w_even = _dequant_b_tile(packed & 0xF, scale, zero, BLOCK_SIZE_N, BLOCK_KB, GROUPS, BITS, compute_type,
-                                     INTERPRET_BF16)  # fmt: skip
-            w_odd = _dequant_b_tile(packed >> 4, scale, zero, BLOCK_SIZE_N, BLOCK_KB, GROUPS, BITS, compute_type,
-                                    INTERPRET_BF16)  # fmt: skip
-            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_SIZE_M, BLOCK_KB, 2)))
-            acc = _tile_dot(acc, a_even, w_even, SWAP_AB, INTERPRET_BF16)
-            acc = _tile_dot(acc, a_odd, w_odd, SWAP_AB, INTERPRET_BF16)
-        else:
-            w = _dequant_k_step(
-                b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0,
+        acc = _dot_k_step(
+            acc, a, b_ptr, b_desc, b_words, s_ptr, z_ptr, expert, offs_n, offs_kb, offs_kw, n0, k0,
+            stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+            K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
+            BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, SPLIT_NIBBLES, WORD_NIBBLES, SWAP_AB,
+        )  # fmt: skip
+        if FUSE_ACT:  # the up rows I + n of the same expert, against the same A tile
+            acc_up = _dot_k_step(
+                acc_up, a, b_ptr, b_desc, b_words, s_ptr, z_ptr, expert, offs_n + N, offs_kb, offs_kw, n0 + N, k0,
                 stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
                 K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
-                BLOCK_SIZE_N, BLOCK_SIZE_K,
+                BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, SPLIT_NIBBLES, WORD_NIBBLES, SWAP_AB,
             )  # fmt: skip
-            acc = _tile_dot(acc, a, w, SWAP_AB, INTERPRET_BF16)
 
     if SWAP_AB:
         acc = tl.trans(acc)
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + pairs, mask=pair_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
+    if FUSE_ACT:
+        if SWAP_AB:
+            acc_up = tl.trans(acc_up)
+        if MUL_ROUTED_WEIGHT:
+            acc_up = acc_up * weight.to(tl.float32)[:, None]
+        acc = _fused_epilogue(acc, acc_up, ACTIVATION, compute_type, INTERPRET_BF16)
     _store_c(c_ptrs, acc, c_mask, SPLIT_K, compute_type, INTERPRET_BF16)
+
+
+@triton.jit
+def _pair_k_step(
+    acc, a, b_ptr, b_desc, b_words, s_ptr, z_ptr, expert, offs_n, offs_kb, offs_kw, n0, k0,
+    stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+    K: tl.constexpr, group_size: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS: tl.constexpr, BITS: tl.constexpr,
+    HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_TD: tl.constexpr, compute_type: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr, FOLD_SCALES: tl.constexpr,
+    REDUCE_EACH_STEP: tl.constexpr,
+):  # fmt: skip
+    """acc + the A row's products with dequant(B[expert, offs_n, K step k0]) (the per-pair kernel's step): a
+    (BLOCK_N,) sum when REDUCE_EACH_STEP, else the (BLOCK_N, BLOCK_K) elementwise products."""
+    KB: tl.constexpr = K * BITS // 8
+    BLOCK_KB: tl.constexpr = BLOCK_SIZE_K * BITS // 8
+    if FOLD_SCALES:
+        if BITS == 4:  # 32-bit words of 8 values (the folded step's unpack works on words)
+            packed = _load_b_tile(
+                b_words, b_desc, expert, offs_n, offs_kw, n0, k0, KB // 4,
+                stride_be // 4, stride_bn // 4, BITS, BLOCK_SIZE_N, BLOCK_KB // 4, EVEN_K, USE_TD, 32,
+            )  # fmt: skip
+        else:
+            packed = _load_b_tile(
+                b_ptr, b_desc, expert, offs_n, offs_kb, n0, k0, KB, stride_be, stride_bn,
+                BITS, BLOCK_SIZE_N, BLOCK_KB, EVEN_K, USE_TD, 8,
+            )  # fmt: skip
+        scale, zero = _load_group_params(
+            s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
+            stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
+        )  # fmt: skip
+        acc += _folded_dot_step(packed, a.to(tl.float32), scale, zero, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUPS, BITS)
+    else:
+        w = _dequant_k_step(
+            b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, n0, k0,
+            stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+            K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
+            BLOCK_SIZE_N, BLOCK_SIZE_K,
+        )  # fmt: skip
+        if REDUCE_EACH_STEP:
+            acc += tl.sum(a.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
+        else:
+            acc += a.to(tl.float32)[None, :] * w.to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -444,8 +546,11 @@ def _fused_moe_wna16_pair_kernel(
     # every step.
     REDUCE_EACH_STEP: tl.constexpr,
     HAS_A_PERM: tl.constexpr,  # act order: K row k of A is column a_perm[e, k]
+    FUSE_ACT: tl.constexpr = False,  # GEMM1 with the gated activation fused, as in _fused_moe_wna16_kernel
+    ACTIVATION: tl.constexpr = "silu",
 ):
-    """The decode form (BLOCK_SIZE_M == 1): C[p] as in _fused_moe_wna16_kernel, one routed pair p per program.
+    """The decode form (BLOCK_SIZE_M == 1): C[p] as in _fused_moe_wna16_kernel, one routed pair p per program
+    (fused activation included).
 
     Grid: (num_pairs, cdiv(N, BLOCK_SIZE_N), SPLIT_K). No token alignment (the expert is
     topk_ids[p], through expert_map) and no tl.dot: a GEMV that multiplies the A row into
@@ -468,6 +573,8 @@ def _fused_moe_wna16_pair_kernel(
         return
 
     offs_n = (pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N).to(tl.int64)) % N
+    n0 = pid_n * BLOCK_SIZE_N
+    B_ROWS: tl.constexpr = 2 * N if FUSE_ACT else N
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     offs_kb = tl.arange(0, BLOCK_KB)
     a_row_ptr = a_ptr + (pair // top_k) * stride_am
@@ -477,17 +584,19 @@ def _fused_moe_wna16_pair_kernel(
     if USE_TD:
         if FOLD_SCALES and BITS == 4:
             b_desc = tl.make_tensor_descriptor(
-                b_words, shape=[E, N, KB // 4], strides=[stride_be // 4, stride_bn // 4, 1],
+                b_words, shape=[E, B_ROWS, KB // 4], strides=[stride_be // 4, stride_bn // 4, 1],
                 block_shape=[1, BLOCK_SIZE_N, BLOCK_KB // 4],
             )  # fmt: skip
         else:
             b_desc = tl.make_tensor_descriptor(
-                b_ptr, shape=[E, N, KB], strides=[stride_be, stride_bn, 1], block_shape=[1, BLOCK_SIZE_N, BLOCK_KB]
+                b_ptr, shape=[E, B_ROWS, KB], strides=[stride_be, stride_bn, 1], block_shape=[1, BLOCK_SIZE_N, BLOCK_KB]
             )
     if REDUCE_EACH_STEP:
         acc = tl.zeros((BLOCK_SIZE_N,), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_SIZE_N, BLOCK_SIZE_K), dtype=tl.float32)
+    if FUSE_ACT:
+        acc_up = tl.zeros_like(acc)
     for k in tl.range(0, TILES_PER_SPLIT, num_stages=NUM_STAGES):  # B by cp.async, NUM_STAGES deep
         k0 = (split * TILES_PER_SPLIT + k) * BLOCK_SIZE_K
         if HAS_A_PERM:
@@ -500,39 +609,33 @@ def _fused_moe_wna16_pair_kernel(
             a = tl.load(a_row_ptr + k0 + offs_k)
         else:
             a = tl.load(a_row_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
-        if FOLD_SCALES:
-            if BITS == 4:  # 32-bit words of 8 values (the folded step's unpack works on words)
-                packed = _load_b_tile(
-                    b_words, b_desc, expert, offs_n, offs_kw, pid_n * BLOCK_SIZE_N, k0, KB // 4,
-                    stride_be // 4, stride_bn // 4, BITS, BLOCK_SIZE_N, BLOCK_KB // 4, EVEN_K, USE_TD, 32,
-                )  # fmt: skip
-            else:
-                packed = _load_b_tile(
-                    b_ptr, b_desc, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0, KB, stride_be, stride_bn,
-                    BITS, BLOCK_SIZE_N, BLOCK_KB, EVEN_K, USE_TD, 8,
-                )  # fmt: skip
-            scale, zero = _load_group_params(
-                s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
-                stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
-            )  # fmt: skip
-            acc += _folded_dot_step(packed, a.to(tl.float32), scale, zero, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUPS, BITS)
-        else:
-            w = _dequant_k_step(
-                b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, pid_n * BLOCK_SIZE_N, k0,
+        acc = _pair_k_step(
+            acc, a, b_ptr, b_desc, b_words, s_ptr, z_ptr, expert, offs_n, offs_kb, offs_kw, n0, k0,
+            stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+            K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
+            BLOCK_SIZE_N, BLOCK_SIZE_K, FOLD_SCALES, REDUCE_EACH_STEP,
+        )  # fmt: skip
+        if FUSE_ACT:  # the up rows I + n, against the same A row
+            acc_up = _pair_k_step(
+                acc_up, a, b_ptr, b_desc, b_words, s_ptr, z_ptr, expert, offs_n + N, offs_kb, offs_kw, n0 + N, k0,
                 stride_be, stride_bn, stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
                 K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, compute_type, INTERPRET_BF16,
-                BLOCK_SIZE_N, BLOCK_SIZE_K,
+                BLOCK_SIZE_N, BLOCK_SIZE_K, FOLD_SCALES, REDUCE_EACH_STEP,
             )  # fmt: skip
-            if REDUCE_EACH_STEP:
-                acc += tl.sum(a.to(tl.float32)[None, :] * w.to(tl.float32), axis=1)
-            else:
-                acc += a.to(tl.float32)[None, :] * w.to(tl.float32)
     if REDUCE_EACH_STEP:
         out = acc
     else:
         out = tl.sum(acc, axis=1)
     if MUL_ROUTED_WEIGHT:
         out = out * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    if FUSE_ACT:
+        if REDUCE_EACH_STEP:
+            up = acc_up
+        else:
+            up = tl.sum(acc_up, axis=1)
+        if MUL_ROUTED_WEIGHT:
+            up = up * tl.load(topk_weights_ptr + pair).to(tl.float32)
+        out = _fused_epilogue(out, up, ACTIVATION, compute_type, INTERPRET_BF16)
     _store_c(c_ptrs, out, c_mask, SPLIT_K, compute_type, INTERPRET_BF16)
 
 
@@ -620,8 +723,10 @@ def invoke_wna16_gemm(
     expert_map: torch.Tensor | None = None,  # (E_global,) int, applied to topk_ids when BLOCK_SIZE_M == 1
     a_perm: torch.Tensor | None = None,  # (E, K) int32 contiguous: act order, K row k of A is a[:, a_perm[e, k]]
     options: KernelOptions = DEFAULT_OPTIONS,  # dot_nibbles, pair_step_math
+    activation: str | None = None,  # GEMM1 fused: c[p] = act(g[:N/2]) * g[N/2:] of that product g (fuse_form)
 ) -> torch.Tensor:
-    """One grouped GEMM: c[p] = (w_p) * a[p // top_k] @ dequant(qweight[e_p]).T over the routed pairs.
+    """One grouped GEMM: c[p] = (w_p) * a[p // top_k] @ dequant(qweight[e_p]).T over the routed pairs; with
+    `activation` (GEMM1 only, SPLIT_K == 1), the gated activation of that row instead, c of N/2 columns.
 
     Every row of c named by sorted_token_ids (or every pair, per-pair form) is written
     (zeros for expert -1); with SPLIT_K > 1, c[s] holds K slice s in float32. `td` is
@@ -632,12 +737,21 @@ def invoke_wna16_gemm(
     K = a.shape[1]
     num_groups = scales.shape[-1]
     config = swap_form(config, options)
+    if activation is not None:
+        if activation not in ACTIVATIONS or N % 2 or config.SPLIT_K != 1:
+            raise ValueError(
+                f"a fused activation needs one of {list(ACTIVATIONS)} (got {activation!r}), an even N=2I (got {N}) "
+                f"and SPLIT_K=1 (got {config.SPLIT_K})"
+            )
+        N //= 2  # the output's columns; the kernel reads rows n and N + n
     config.check_shape(K, K // num_groups)
     group_size = _kernel_group_size(K, num_groups, config.BLOCK_SIZE_K)
     if td.use_td_b or td.use_gather:
         _ensure_td_allocator()
     split = config.SPLIT_K
     num_pairs = c.shape[-2]
+    if c.shape[-1] != N:
+        raise ValueError(f"c has {c.shape[-1]} columns, the GEMM writes N={N}" + (" (fused: I)" if activation else ""))
     if split > 1 and (c.dim() != 3 or c.shape[0] != split or c.dtype != torch.float32):
         raise ValueError(f"SPLIT_K={split} needs c of shape (SPLIT_K, num_pairs, N) float32, got {tuple(c.shape)}")
     c3 = c if c.dim() == 3 else c.unsqueeze(0)
@@ -673,6 +787,8 @@ def invoke_wna16_gemm(
         stride_zg=zp.stride(2) if has_zp else 0,
         N=N,
         K=K,
+        FUSE_ACT=activation is not None,
+        ACTIVATION=activation or "silu",
         group_size=group_size,
         NUM_GROUPS=num_groups,
         GROUPS=max(1, config.BLOCK_SIZE_K // group_size),
@@ -776,7 +892,7 @@ def fused_moe_wna16_triton(
 
     GPU work per call, no host sync (CUDA-graph capturable): one align launch per distinct
     BLOCK_SIZE_M > 1 (none when both GEMMs run per pair), GEMM1, the gated activation
-    (which also sums GEMM1's split-K partials), GEMM2, and the top-k sum (which sums
+    (which also sums GEMM1's split-K partials; none when GEMM1 fuses it: configs.fuse_form), GEMM2, and the top-k sum (which sums
     GEMM2's partials; skipped when top_k == 1 and GEMM2 is unsplit: GEMM2 writes `out`).
 
     a_perm: act order in the sorted layout (backends.base.sort_act_order): GEMM1 reads x's column
@@ -829,13 +945,15 @@ def fused_moe_wna16_triton(
         chosen = triton_launch(M, E, H, inter, top_k, H // w13_scales.shape[-1], inter // w2_scales.shape[-1],
                                bits, device.name, options.config_dir, configs_dir(device)).configs  # fmt: skip
         cfg1, cfg2 = cfg1 or chosen[0], cfg2 or chosen[1]
+    cfg1 = fuse_form(cfg1, options)  # GEMM2 never fuses: its fuse_act is not read
+    fused = activation if cfg1.fuse_act else None
 
     x, topk_weights, topk_ids, expert_map = routing_contiguous(x, topk_weights, topk_ids, expert_map)
     weights_flat = topk_weights.view(-1)  # the kernels index pairs as ptr + pair: contiguous only
     ids_flat = topk_ids.view(-1)
     num_pairs = M * top_k
 
-    def gemm(a, qweight, scales, qzeros, c, cfg, a_rows_div, mul_weight, aligned_by, perm=None):
+    def gemm(a, qweight, scales, qzeros, c, cfg, a_rows_div, mul_weight, aligned_by, perm=None, act=None):
         td = decide_td(
             requested=requested,
             platform=platform,
@@ -866,6 +984,7 @@ def fused_moe_wna16_triton(
             expert_map=expert_map,
             a_perm=perm,
             options=options,
+            activation=act,
         )
         return c
 
@@ -877,17 +996,18 @@ def fused_moe_wna16_triton(
         dtype = x.dtype if cfg.SPLIT_K == 1 else torch.float32
         return torch.empty(split_k_buffer_shape(num_pairs, N, cfg), dtype=dtype, device=x.device)
 
+    n1 = inter if fused else two_i  # GEMM1's output: the activation itself when fused
     if a_perm is not None and options.triton_act_order == "rows":
         # act order, one gather of the routed pairs' rows first: GEMM1 reads row p for pair p, no perm
         from vllm_wna16_plugin.kernels.triton.act_order import act_order_rows_triton
 
         a1 = act_order_rows_triton(x, a_perm, topk_ids, expert_map)
-        h = gemm(a1, w13_qweight, w13_scales, w13_qzeros, gemm_out(two_i, cfg1), cfg1, 1,
-                 apply_router_weight_on_input, alignments)  # fmt: skip
+        h = gemm(a1, w13_qweight, w13_scales, w13_qzeros, gemm_out(n1, cfg1), cfg1, 1,
+                 apply_router_weight_on_input, alignments, act=fused)  # fmt: skip
     else:
-        h = gemm(x, w13_qweight, w13_scales, w13_qzeros, gemm_out(two_i, cfg1), cfg1, top_k,
-                 apply_router_weight_on_input, alignments, a_perm)  # fmt: skip
-    act = gated_activation_triton(h, activation, dtype=x.dtype)
+        h = gemm(x, w13_qweight, w13_scales, w13_qzeros, gemm_out(n1, cfg1), cfg1, top_k,
+                 apply_router_weight_on_input, alignments, a_perm, act=fused)  # fmt: skip
+    act = h if fused else gated_activation_triton(h, activation, dtype=x.dtype)
     if top_k == 1 and cfg2.SPLIT_K == 1 and out.stride(1) == 1:
         # one pair per token: GEMM2's rows are the output rows
         gemm(act, w2_qweight, w2_scales, w2_qzeros, out, cfg2, 1, not apply_router_weight_on_input, alignments)

@@ -323,12 +323,16 @@ def test_a_composed_layer_hands_large_batches_to_humming_or_falls_back(vllm_cpu,
     q13, q2 = _random_experts(4, 32, True, seed=17)
     layer = _build(vllm_cpu, RAW["gptq"](4, 32, True))
     list(layer.load_weights(_weights("gptq", q13, q2)))
-    with caplog.at_level(logging.INFO):
+    # vLLM's logger, as a test before this one may have left it (the CLI tests set it to ERROR; vLLM's own
+    # configuration stops it propagating to the root, where caplog listens)
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    with caplog.at_level(logging.INFO, logger="vllm"):
         layer.quant_method.process_weights_after_loading(layer)
-    small, large = _routing(seed=2, m=2), _routing(seed=3, m=6)
-    _assert_close(_forward(layer, *small), fused_moe_ref(small[0], packing.dequantize(q13), packing.dequantize(q2),
-                                                          *small[1:]), "M=2 on the plugin's kernels")  # fmt: skip
-    out = _forward(layer, *large)
+        small, large = _routing(seed=2, m=2), _routing(seed=3, m=6)
+        _assert_close(_forward(layer, *small), fused_moe_ref(small[0], packing.dequantize(q13),
+                                                              packing.dequantize(q2), *small[1:]),
+                      "M=2 on the plugin's kernels")  # fmt: skip
+        out = _forward(layer, *large)
     text = caplog.text
     if fail:
         assert "Humming could not be prepared (RuntimeError: nvrtc: compile failed)" in text

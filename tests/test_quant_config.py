@@ -264,3 +264,91 @@ def test_claiming_when_asked_gives_one_value_error_naming_the_field(config_cls, 
     with pytest.raises(ValueError, match=message):
         config_cls.override_quantization_method(hf_quant_cfg, "moe_wna16_plus")
     assert config_cls.override_quantization_method(hf_quant_cfg, None) is None  # not asked: never parsed
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors", "awq"])
+def test_a_model_that_renames_checkpoint_modules_finds_their_rules_and_stored_tensors(vllm_cpu, tmp_path, fmt):
+    """Qwen3.5-MoE, Qwen3-VL-MoE and GLM-4.5V checkpoints store `model.language_model.layers.*`, which vLLM's model
+    renames to `language_model.model.layers.*` (apply_vllm_mapper). Quantized attention must still be judged
+    quantized under the vLLM name (before: unquantized, then "no parameter ... qweight" at load), the float
+    router gate unquantized, the experts owned by the plugin, and the config's module lists renamed too."""
+    from safetensors.torch import load_file, save_file
+    from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, UnquantizedLinearMethod
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from vllm_wna16_plugin import _vllm
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    sym = fmt != "awq"
+    path = make_checkpoint(tmp_path / "ck", fmt=fmt, bits=4, group_size=32, sym=sym, hidden=128, intermediate=64,
+                           experts=4, top_k=2, layers=1)  # fmt: skip
+    tensors = load_file(path / "model.safetensors")
+    save_file({k.replace("model.layers.", "model.language_model.layers."): v for k, v in tensors.items()},
+              path / "model.safetensors")  # fmt: skip
+    hf = "model.language_model.layers.0"
+    lists = {
+        "gptq": dict(modules_in_block_to_quantize=[["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                    "self_attn.o_proj", "mlp.experts"]]),
+        "awq": dict(modules_to_not_convert=[f"{hf}.mlp.gate"]),
+        "compressed-tensors": dict(ignore=["lm_head", f"{hf}.mlp.gate"]),
+    }[fmt]  # fmt: skip
+    cfg = _config_of(path, **lists)
+    cfg.apply_vllm_mapper(WeightsMapper(orig_to_new_prefix={"model.language_model.": "language_model.model."}))
+    cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    vllm_layer = "language_model.model.layers.0"
+    assert cfg._stored_quantized(f"{vllm_layer}.self_attn.qkv_proj")
+    assert not cfg._stored_quantized(f"{vllm_layer}.mlp.gate")
+    if fmt == "awq":  # the renamed modules_to_not_convert names the vLLM gate
+        assert cfg.parsed.scheme_for(f"{vllm_layer}.mlp.gate", moe=False) is None
+    if fmt == "compressed-tensors":  # the renamed ignore entry; the old name no longer matches anything
+        assert cfg.parsed.scheme_for(f"{vllm_layer}.mlp.gate", moe=False) is None
+        assert cfg.parsed.scheme_for(f"{hf}.mlp.gate", moe=False) is not None
+    gate = ReplicatedLinear(128, 4, bias=False, quant_config=cfg, prefix=f"{vllm_layer}.mlp.gate")
+    assert isinstance(gate.quant_method, UnquantizedLinearMethod)
+    # the method the config gives the fused qkv layer (its weights need a GPU kernel: not created here)
+    qkv_prefix = f"{vllm_layer}.self_attn.qkv_proj"
+    qkv = QKVParallelLinear(128, 32, 4, 4, bias=False, quant_config=None, prefix=qkv_prefix)
+    try:
+        assert not isinstance(cfg.get_quant_method(qkv, qkv_prefix), UnquantizedLinearMethod)
+    except ValueError as exc:  # a delegate that refuses on CPU has judged the layer quantized too
+        assert "is stored quantized" in str(exc), exc
+    experts = _vllm.build_routed_experts(vllm_cpu, cfg, num_experts=4, top_k=2, hidden=128, intermediate=64,
+                                         prefix=f"{vllm_layer}.mlp.experts", ckpt_names=("gate_proj", "down_proj",
+                                                                                       "up_proj"))  # fmt: skip
+    assert type(experts.quant_method).__name__ == "MoeWNA16PlusMethod"
+
+
+@pytest.mark.parametrize(
+    "stored, unquantized",
+    [
+        # MTP layer of a GPTQ file, its experts left bf16 with no `dynamic` rule saying so
+        ({**{f"mtp.layers.0.mlp.experts.{e}.{p}.weight": "BF16" for e in range(4) for p in ("gate_proj", "up_proj")},
+          "mtp.layers.0.mlp.gate.weight": "BF16"}, True),
+        # GraniteMoE: fused bf16 experts (input_linear / output_linear), which GPTQ tools never quantize
+        ({"mtp.layers.0.mlp.input_linear.weight": "BF16", "mtp.layers.0.mlp.output_linear.weight": "BF16",
+          "mtp.layers.0.mlp.router.layer.weight": "BF16"}, True),
+        # the usual block: quantized experts beside a float router
+        ({"mtp.layers.0.mlp.experts.0.gate_proj.qweight": "I32", "mtp.layers.0.mlp.gate.weight": "BF16"}, False),
+        # only a float router under the block (the experts stored under names the file does not share): no verdict
+        ({"mtp.layers.0.mlp.gate.weight": "BF16"}, False),
+    ],
+    ids=["float-experts", "granite-fused-float", "quantized-experts", "router-only"],
+)  # fmt: skip
+def test_a_moe_block_the_file_stores_unquantized_loads_unquantized(vllm_cpu, monkeypatch, stored, unquantized):
+    """The config's rules say quantized, the safetensors say float: vLLM would build the quantized layer and fail
+    on the first float tensor ("has no parameter"); the stored dtypes decide, as they do for linear layers."""
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from vllm_wna16_plugin import _vllm
+
+    prefix = "mtp.layers.0.mlp.experts"
+    cfg = get_quantization_config("moe_wna16_plus").from_config(
+        {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
+    )
+    layer = _vllm.build_routed_experts(vllm_cpu, cfg, num_experts=4, top_k=2, hidden=128, intermediate=64,
+                                       prefix=prefix, ckpt_names=("gate_proj", "down_proj", "up_proj"))  # fmt: skip
+    cfg._stored_dtypes = {**stored, "model.layers.0.self_attn.q_proj.qweight": "I32"}
+    cfg._learn_stored_modules()
+    monkeypatch.setattr(_vllm, "unquantized_moe_method", lambda moe_config: "unquantized MoE")
+    method = cfg.get_quant_method(layer, prefix)
+    assert (method == "unquantized MoE") == unquantized, method

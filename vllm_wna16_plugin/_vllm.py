@@ -12,7 +12,7 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | model_executor.layers.quantization.register_quantization_config / get_quantization_config | registers `moe_wna16_plus`; looks it up for layers built without an engine | 0.26-0.34 | public API |
 | ...quantization.base_config.QuantizationConfig / QuantizeMethodBase | base classes of our config/method | 0.26-0.34 (same six abstract methods) | public API |
 | QuantizationConfig.get_checkpoint_weight_mapper | the base drops every `.g_idx` tensor; ours keeps the experts' (act order) | absent 0.26-0.29; 0.30-0.34 a WeightsMapper dropping suffix `.g_idx` (`has_checkpoint_weight_mapper`) | - |
-| model_executor.models.utils.WeightsMapper | the mapper ours returns | 0.26-0.34 | - |
+| model_executor.models.utils.WeightsMapper | the mapper ours returns; the model's renames applied to the names our rules and the stored tensors use (`map_weight_name`) | 0.26-0.34; the name mapping is `_map_name` 0.26-0.34, also public as `map_name` in 0.34 | - |
 | ...fused_moe.FusedMoEMethodBase, RoutedExperts, UnquantizedFusedMoEMethod | the MoE method contract and the layer it owns | 0.26-0.34 | - |
 | ...fused_moe.FusedMoE / FusedMoEFactory | building a MoE layer without an engine (`fused_moe_layer_cls`) | `FusedMoE` 0.26; `FusedMoEFactory` 0.27-0.34, same keywords, returns the runner whose `.routed_experts` we own | - |
 | ...fused_moe.config.int4_w4a16_moe_quant_config / int8_w8a16_moe_quant_config | `get_fused_moe_quant_config` (read by vLLM's runner) | 0.26-0.34 | - |
@@ -220,6 +220,12 @@ def has_checkpoint_weight_mapper() -> bool:
 # `mlp.experts.3.gate_proj`, Mixtral `block_sparse_moe.experts.3.w1`, DeepSeek `mlp.experts.3.up_proj`);
 # shared experts (`.shared_experts.`) are linear layers and do not match.
 EXPERT_G_IDX = r"^(?!.*\.experts\.).*\.g_idx$"
+
+
+def map_weight_name(mapper, name: str) -> str | None:
+    """A checkpoint name through one of vLLM's WeightsMappers (None: the mapper drops it)."""
+    fn = getattr(mapper, "map_name", None) or mapper._map_name
+    return fn(name)
 
 
 def weights_mapper_keeping_expert_g_idx():

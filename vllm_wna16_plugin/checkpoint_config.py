@@ -17,8 +17,8 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -151,6 +151,11 @@ def _last(prefix: str) -> str:
     return prefix.rsplit(".", 1)[-1]
 
 
+def _renamed_list(names: tuple[str, ...], map_name: Callable[[str], str | None]) -> tuple[str, ...]:
+    """Each name through map_name, the ones it drops (None) left out (vLLM's WeightsMapper.apply_list)."""
+    return tuple(new for name in names if (new := map_name(name)) is not None)
+
+
 def _is_lm_head(prefix: str) -> bool:
     return _last(prefix) == "lm_head"
 
@@ -187,6 +192,10 @@ class _Rules:
     def resolve(self, prefix: str, fused: Mapping, moe: bool, lm_head_quantized: bool) -> WNA16Scheme | None:
         raise NotImplementedError
 
+    def renamed(self, map_name: Callable[[str], str | None]) -> _Rules:
+        """These rules with the module names they list renamed (CheckpointQuantConfig.renamed)."""
+        return self
+
 
 @dataclass(frozen=True)
 class _Uniform(_Rules):
@@ -218,6 +227,9 @@ class _GPTQRules(_Rules):
     def _listed(self, name: str) -> bool:
         return not self.quantized_modules or any(m in name for m in self.quantized_modules)
 
+    def renamed(self, map_name):  # vLLM renames modules_in_block_to_quantize, not the `dynamic` regexes
+        return replace(self, quantized_modules=_renamed_list(self.quantized_modules, map_name))
+
     def resolve(self, prefix, fused, moe, lm_head_quantized):
         if _is_lm_head(prefix) and not lm_head_quantized:
             return None
@@ -240,6 +252,9 @@ class _AWQRules(_Rules):
 
     def _skipped(self, name: str) -> bool:
         return any(m in name for m in self.not_convert)
+
+    def renamed(self, map_name):
+        return replace(self, not_convert=_renamed_list(self.not_convert, map_name))
 
     def resolve(self, prefix, fused, moe, lm_head_quantized):
         if _is_lm_head(prefix) and not lm_head_quantized:
@@ -274,6 +289,16 @@ class _CTRules(_Rules):
 
     targets: tuple[_CTTarget, ...]  # in first-seen order, as vLLM's target map
     ignore: tuple[str, ...]
+
+    def renamed(self, map_name):
+        """Module paths renamed; "re:" regexes and class names ("Linear") kept, as vLLM's compressed-tensors
+        config does."""
+
+        def one(target: str) -> str | None:
+            return map_name(target) if "." in target and not target.startswith("re:") else target
+
+        targets = tuple(replace(t, target=new) for t in self.targets if (new := one(t.target)) is not None)
+        return replace(self, targets=targets, ignore=tuple(new for t in self.ignore if (new := one(t)) is not None))
 
     @staticmethod
     def _hit(value: str, target: str, contains: bool = False) -> bool:
@@ -358,6 +383,12 @@ class CheckpointQuantConfig:
         is_moe = _last(prefix) == "experts" if moe is None else moe
         rules = self.rules if self.rules is not None else _Uniform(self.scheme)
         return rules.resolve(prefix, fused, is_moe, self.lm_head_quantized)
+
+    def renamed(self, map_name: Callable[[str], str | None]) -> CheckpointQuantConfig:
+        """This config with the module names its rules list (not regexes, not class names) renamed by a model's
+        mapper from the checkpoint's names to vLLM's (QuantizationConfig.apply_vllm_mapper), as vLLM's own
+        configs rename theirs; a name the mapper drops is dropped."""
+        return self if self.rules is None else replace(self, rules=self.rules.renamed(map_name))
 
     def stored_experts_scheme(self, prefix: str) -> WNA16Scheme | None:
         """The scheme of a routed-experts layer whose experts the checkpoint stores quantized although

@@ -44,6 +44,8 @@ def make_config_class():
             self._linear_delegate = None
             self._quantized_modules: set[str] | None = None  # from the safetensors dtypes (maybe_update_config)
             self._float_modules: set[str] | None = None
+            self._stored_dtypes: dict[str, str] = {}  # tensor name (the checkpoint's) -> safetensors dtype
+            self._mappers: list = []  # vLLM's renames of checkpoint names (apply_vllm_mapper), in order
 
         def __repr__(self) -> str:
             return f"MoeWNA16PlusConfig({self.parsed.scheme.describe()}, linear={self.parsed.quant_method})"
@@ -92,18 +94,23 @@ def make_config_class():
             except Exception as exc:  # noqa: BLE001 - no metadata: every listed module is quantized
                 logger.debug("moe_wna16_plus: no safetensors metadata for %s (%s)", model_name, exc)
                 return
-            floats = {"F16", "BF16", "F32", "F64"}
-            self._quantized_modules = {
-                name.rsplit(".", 1)[0] for name, info in metadata.items() if info.get("dtype") not in floats
-            }
-            # modules stored as a float `.weight` (an expert left unquantized), the routed experts' check
-            self._float_modules = {
-                name.rsplit(".", 1)[0]
-                for name, info in metadata.items()
-                if name.endswith(".weight") and info.get("dtype") in floats
-            } - self._quantized_modules
+            self._stored_dtypes = {name: info.get("dtype") for name, info in metadata.items()}
+            self._learn_stored_modules()
             if self.parsed.quant_method == "gptq":
                 self._delegate_or_none(lambda d: d.maybe_update_config(model_name, hf_config, revision))
+
+        def _learn_stored_modules(self) -> None:
+            """_quantized_modules / _float_modules from the stored tensors' dtypes, under the names vLLM's layers
+            have: the checkpoint's names through every rename mapper vLLM applied (apply_vllm_mapper)."""
+            floats = {"F16", "BF16", "F32", "F64"}
+            names = dict(self._stored_dtypes)
+            for mapper in self._mappers:
+                names = {new: dtype for name, dtype in names.items() if (new := _vllm.map_weight_name(mapper, name))}
+            self._quantized_modules = {name.rsplit(".", 1)[0] for name, dtype in names.items() if dtype not in floats}
+            # modules stored as a float `.weight` (an expert left unquantized), the routed experts' check
+            self._float_modules = {
+                name.rsplit(".", 1)[0] for name, dtype in names.items() if name.endswith(".weight") and dtype in floats
+            } - self._quantized_modules
 
         def _delegate_or_none(self, use):
             try:
@@ -124,6 +131,21 @@ def make_config_class():
             """The routed experts' modules (`<prefix>.<expert>.<proj>`, the checkpoint's own names) in `modules`."""
             head = f"{prefix}."
             return sorted(m for m in modules or () if m.startswith(head) and m[len(head) : len(head) + 1].isdigit())
+
+        def _block_stored_float(self, prefix: str) -> list[str]:
+            """The float modules of the MoE block holding these routed experts (the prefix's parent: its experts,
+            router, shared experts) when the checkpoint stores at least two there and nothing quantized, else [].
+            MTP layers of GPTQ/AWQ files (experts left bf16, no `dynamic` rule saying so) and GraniteMoE's fused
+            bf16 `input_linear` are such blocks; vLLM would build a quantized layer and fail on the first float
+            tensor ("has no parameter"). Unknown metadata, or names the file does not use, decide nothing."""
+            quantized, floats = self._quantized_modules, self._float_modules
+            if not quantized or not floats or "." not in prefix:
+                return []
+            block = prefix.rpartition(".")[0] + "."
+            if any(m.startswith(block) for m in quantized):
+                return []
+            found = sorted(m for m in floats if m.startswith(block))
+            return found if len(found) >= 2 else []
 
         def _check_stored_experts(self, prefix: str, scheme) -> None:
             """The layer's experts as the safetensors store them (maybe_update_config) against the scheme the config
@@ -155,9 +177,17 @@ def make_config_class():
             return self._linear_delegate
 
         def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
-            if self.parsed.quant_method == "compressed-tensors":
-                # a delegate vLLM refuses (e.g. actorder) is only an error if a linear layer needs it
-                self._delegate_or_none(lambda d: d.apply_vllm_mapper(hf_to_vllm_mapper))
+            """The model renames checkpoint modules (Qwen3.5-MoE, Qwen3-VL-MoE, GLM-4.5V: `model.language_model.`
+            -> `language_model.model.`): the names the config's rules and the stored tensors use are renamed
+            too, as vLLM's own configs rename theirs, so that a layer's vLLM prefix finds its rules and tensors.
+            Before, such a checkpoint's quantized linear layers were judged unquantized and failed to load."""
+            self._mappers.append(hf_to_vllm_mapper)
+            self.parsed = self.parsed.renamed(lambda name: _vllm.map_weight_name(hf_to_vllm_mapper, name))
+            if self._stored_dtypes:
+                self._learn_stored_modules()
+            # every format's delegate renames its own lists; one vLLM refuses (e.g. actorder) is only an error if a
+            # linear layer needs it
+            self._delegate_or_none(lambda d: d.apply_vllm_mapper(hf_to_vllm_mapper))
 
         def get_checkpoint_weight_mapper(self):
             """Keep the routed experts' `.g_idx` (act order), which vLLM's default mapper (0.30+) drops
@@ -167,7 +197,11 @@ def make_config_class():
         def _linear_method(self, layer, prefix: str):
             """vLLM's in-tree linear method of the format, or a refusal that names the layer and why."""
             try:
-                return self._delegate().get_quant_method(layer, prefix)
+                delegate = self._delegate()
+                # the model's fused-module mapping as it is now: vLLM replaces the dict after apply_vllm_mapper
+                # (which may have built the delegate) for models without SupportsQuant, updates it for the rest
+                delegate.packed_modules_mapping = getattr(self, "packed_modules_mapping", None) or {}
+                return delegate.get_quant_method(layer, prefix)
             except ValueError as exc:
                 raise ValueError(
                     f"moe_wna16_plus: linear layer {prefix!r} is stored quantized ({self.parsed.quant_method}), "
@@ -190,6 +224,13 @@ def make_config_class():
                     )  # fmt: skip
                     scheme = found
                 self._check_stored_experts(prefix, scheme)
+                if scheme is not None and (floats := self._block_stored_float(prefix)):
+                    logger.info(
+                        "moe_wna16_plus: %s: the checkpoint stores its MoE block unquantized (%s, ... are float "
+                        "tensors; none under it is quantized), although the config's rules name it quantized: "
+                        "loading it as unquantized MoE", prefix, ", ".join(floats[:2]),
+                    )  # fmt: skip
+                    scheme = None
                 if scheme is None:
                     logger.info("moe_wna16_plus: %s is not quantized in the checkpoint; unquantized MoE", prefix)
                     return _vllm.unquantized_moe_method(layer.moe_config)

@@ -180,6 +180,27 @@ def _load_group_params(
 
 
 @triton.jit
+def _load_k_step(
+    b, b_desc, s_ptr, z_ptr, expert, offs_n, offs_b, n0, k0, stride_be, stride_bn,
+    stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+    K: tl.constexpr, group_size: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUPS: tl.constexpr, BITS: tl.constexpr,
+    HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr, USE_TD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ELEM_BITS: tl.constexpr,
+):  # fmt: skip
+    """One K step's packed B tile, rows offs_n and BLOCK_K values each as ELEM_BITS-bit elements (8: bytes; 32:
+    words, with b, offs_b and the B strides in words), and the (BLOCK_N, GROUPS) scales and zeros of its groups."""
+    packed = _load_b_tile(
+        b, b_desc, expert, offs_n, offs_b, n0, k0, K * BITS // ELEM_BITS, stride_be, stride_bn,
+        BITS, BLOCK_N, BLOCK_K * BITS // ELEM_BITS, EVEN_K, USE_TD, ELEM_BITS,
+    )  # fmt: skip
+    scale, zero = _load_group_params(
+        s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
+        stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_N, BITS, HAS_ZP, EVEN_K,
+    )  # fmt: skip
+    return packed, scale, zero
+
+
+@triton.jit
 def _dequant_k_step(
     b_ptr,
     b_desc,
@@ -213,16 +234,12 @@ def _dequant_k_step(
 ):
     """The dequantized (BLOCK_N, BLOCK_K) tile of B at K offset k0, in compute_type: one B
     load, one (BLOCK_N, GROUPS) scale (and zero) load for the groups it spans."""
-    BLOCK_KB: tl.constexpr = BLOCK_K * BITS // 8
-    packed = _load_b_tile(
-        b_ptr, b_desc, expert, offs_n, offs_kb, n0, k0, K * BITS // 8, stride_be, stride_bn,
-        BITS, BLOCK_N, BLOCK_KB, EVEN_K, USE_TD, 8,
+    packed, scale, zero = _load_k_step(
+        b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, n0, k0, stride_be, stride_bn,
+        stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+        K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, BLOCK_N, BLOCK_K, 8,
     )  # fmt: skip
     q = _unpack_b_tile(packed, BITS)
-    scale, zero = _load_group_params(
-        s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
-        stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_N, BITS, HAS_ZP, EVEN_K,
-    )  # fmt: skip
     return _dequant_b_tile(q, scale, zero, BLOCK_N, BLOCK_K, GROUPS, BITS, compute_type, INTERPRET_BF16)
 
 
@@ -255,16 +272,12 @@ def _dot_k_step(
 ):  # fmt: skip
     """acc + A_tile @ dequant(B[expert, offs_n, K step k0]).T in the launch's dot form (dot_form): B rows
     offs_n (n0 their first, for the descriptor), one K step; acc is (BLOCK_M, BLOCK_N), or swapped its transpose."""
-    KB: tl.constexpr = K * BITS // 8
     BLOCK_KB: tl.constexpr = BLOCK_SIZE_K * BITS // 8
     if WORD_NIBBLES:
-        words = _load_b_tile(
-            b_words, b_desc, expert, offs_n, offs_kw, n0, k0, KB // 4,
-            stride_be // 4, stride_bn // 4, BITS, BLOCK_SIZE_N, BLOCK_KB // 4, EVEN_K, False, 32,
-        )  # fmt: skip
-        scale, zero = _load_group_params(
-            s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
-            stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
+        words, scale, zero = _load_k_step(
+            b_words, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kw, n0, k0, stride_be // 4, stride_bn // 4,
+            stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+            K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, False, BLOCK_SIZE_N, BLOCK_SIZE_K, 32,
         )  # fmt: skip
         acc = _word_nibble_dots(acc, a, words, scale, zero, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUPS,
                                 compute_type, INTERPRET_BF16, SWAP_AB)  # fmt: skip
@@ -272,13 +285,10 @@ def _dot_k_step(
         # int4 without the interleave: low nibbles (even k) and high nibbles (odd k) each
         # dequantize to a (BLOCK_N, BLOCK_K / 2) tile, and meet the even and odd columns of A in
         # two dots of half the K. Both halves of a byte share its scale group.
-        packed = _load_b_tile(
-            b_ptr, b_desc, expert, offs_n, offs_kb, n0, k0, KB, stride_be, stride_bn,
-            BITS, BLOCK_SIZE_N, BLOCK_KB, EVEN_K, USE_TD, 8,
-        )  # fmt: skip
-        scale, zero = _load_group_params(
-            s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
-            stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
+        packed, scale, zero = _load_k_step(
+            b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, n0, k0, stride_be, stride_bn,
+            stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+            K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, BLOCK_SIZE_N, BLOCK_SIZE_K, 8,
         )  # fmt: skip
         w_even = _dequant_b_tile(packed & 0xF, scale, zero, BLOCK_SIZE_N, BLOCK_KB, GROUPS, BITS, compute_type,
                                  INTERPRET_BF16)  # fmt: skip
@@ -466,23 +476,19 @@ def _pair_k_step(
 ):  # fmt: skip
     """acc + the A row's products with dequant(B[expert, offs_n, K step k0]) (the per-pair kernel's step): a
     (BLOCK_N,) sum when REDUCE_EACH_STEP, else the (BLOCK_N, BLOCK_K) elementwise products."""
-    KB: tl.constexpr = K * BITS // 8
-    BLOCK_KB: tl.constexpr = BLOCK_SIZE_K * BITS // 8
     if FOLD_SCALES:
         if BITS == 4:  # 32-bit words of 8 values (the folded step's unpack works on words)
-            packed = _load_b_tile(
-                b_words, b_desc, expert, offs_n, offs_kw, n0, k0, KB // 4,
-                stride_be // 4, stride_bn // 4, BITS, BLOCK_SIZE_N, BLOCK_KB // 4, EVEN_K, USE_TD, 32,
+            packed, scale, zero = _load_k_step(
+                b_words, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kw, n0, k0, stride_be // 4, stride_bn // 4,
+                stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+                K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, BLOCK_SIZE_N, BLOCK_SIZE_K, 32,
             )  # fmt: skip
         else:
-            packed = _load_b_tile(
-                b_ptr, b_desc, expert, offs_n, offs_kb, n0, k0, KB, stride_be, stride_bn,
-                BITS, BLOCK_SIZE_N, BLOCK_KB, EVEN_K, USE_TD, 8,
+            packed, scale, zero = _load_k_step(
+                b_ptr, b_desc, s_ptr, z_ptr, expert, offs_n, offs_kb, n0, k0, stride_be, stride_bn,
+                stride_se, stride_sn, stride_sg, stride_ze, stride_zn, stride_zg,
+                K, group_size, NUM_GROUPS, GROUPS, BITS, HAS_ZP, EVEN_K, USE_TD, BLOCK_SIZE_N, BLOCK_SIZE_K, 8,
             )  # fmt: skip
-        scale, zero = _load_group_params(
-            s_ptr, z_ptr, expert, offs_n, k0 // group_size, stride_se, stride_sn, stride_sg,
-            stride_ze, stride_zn, stride_zg, NUM_GROUPS, GROUPS, BLOCK_SIZE_N, BITS, HAS_ZP, EVEN_K,
-        )  # fmt: skip
         acc += _folded_dot_step(packed, a.to(tl.float32), scale, zero, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUPS, BITS)
     else:
         w = _dequant_k_step(

@@ -136,14 +136,15 @@ def test_kernel_options_reach_the_plan():
     plain = dataclasses.replace(problem, options=RunOptions(plan_only=True, kernel=KernelOptions(own_align=False)))
     assert plan(plain, 16, H200).align == "vLLM moe_align_block_size"
     split = dataclasses.replace(problem, options=RunOptions(plan_only=True, kernel=KernelOptions(dot_nibbles="split")))
-    assert plan(split, 128, H200).gemms[0].form == "split dot"  # a tuned 16x64x128 tile: words by default
-    assert plan(problem, 128, H200).gemms[0].form == "words dot"
-    swap = dataclasses.replace(problem, options=RunOptions(plan_only=True, kernel=KernelOptions(swap_ab=True)))
-    assert plan(swap, 128, H200).gemms[0].form == "words dot, swapped (weights as the MMA's M)"
-    assert not any("swapped" in g.form for g in plan(swap, 1, H200).gemms)  # decode: per pair or cuda, no tl.dot
+    swapped = ", swapped (weights as the MMA's M)"  # a tuned 16x64x128 tile: wgmma's 64 rows (swap_takes_wgmma)
+    assert plan(split, 128, H200).gemms[0].form == "split dot" + swapped  # words by default
+    assert plan(problem, 128, H200).gemms[0].form == "words dot" + swapped
+    plain = dataclasses.replace(problem, options=RunOptions(plan_only=True, kernel=KernelOptions(swap_ab=False)))
+    assert plan(plain, 128, H200).gemms[0].form == "words dot"
+    assert not any("swapped" in g.form for g in plan(problem, 1, H200).gemms)  # decode: per pair or cuda, no tl.dot
     fused = dataclasses.replace(problem, options=RunOptions(plan_only=True, kernel=KernelOptions(triton_fuse_act=True)))
     gate_up, down = plan(fused, 128, H200).gemms
-    assert gate_up.form == "words dot, silu fused" and "fused" not in down.form  # GEMM2 never fuses
+    assert gate_up.form == "words dot" + swapped + ", silu fused" and "fused" not in down.form  # GEMM2 never fuses
     assert "fused" not in plan(problem, 128, H200).gemms[0].form  # no shipped table fuses
 
 

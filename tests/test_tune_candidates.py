@@ -74,8 +74,9 @@ def test_stage_b_times_the_split_form_and_register_caps_on_dot_tiles_only(tune):
     assert not any(
         c.nibbles or c.maxnreg or c.swap_ab for c in tune.stage_b(per_pair, 1, 128, 1536, 2048, 8, td_ok=False)
     )
-    # the swapped tile where wgmma can take it: 16-64 token rows, >= 64 weight rows
-    assert any(c.swap_ab for c in got)
+    # the swapped tile: the rule (configs.swap_takes_wgmma) already swaps every tile wgmma can take (16-64
+    # token rows, >= 64 weight rows), and 32-row weight tiles lost to the plain one: no candidate adds it
+    assert not any(c.swap_ab for c in got)
     narrow = TritonMoEConfig(16, 32, 128, num_warps=4, num_stages=4)
     assert not any(c.swap_ab for c in tune.stage_b(narrow, 16, 128, 1536, 2048, 8, td_ok=False))
     # a tuned entry round-trips through its JSON, the optional fields only when set

@@ -60,3 +60,48 @@ def test_tuned_entry_serves_only_near_its_range(tmp_path):
     # past the tuned range the heuristic serves, as for an untuned shape
     assert lookup(4096) == default_config(4096, 8, 256, 512, 2, 32, 4)
     assert lookup(1) == default_config(1, 8, 256, 512, 2, 32, 4)
+
+
+def test_the_swap_rule_agrees_with_the_h100_measurements():
+    """configs.swap_takes_wgmma against the run it was fitted on and checked with (bench/results/h100/results.csv,
+    runs adcda24-swapfused and -swapfused2: plugin-triton-swap, every tl.dot tile of >= 16 rows swapped, against
+    plugin-triton-auto, none swapped, on the H100's default configs). Where the rule swaps both GEMMs' tiles the
+    swapped layer was at most 3% slower than the plain one; where it swaps neither, at most 3% faster; points
+    where it would swap one GEMM only were not measured as such and are skipped."""
+    import csv
+    from pathlib import Path
+
+    from vllm_wna16_plugin.kernels.triton.configs import swap_takes_wgmma, triton_launch
+
+    shapes = {  # bench_moe.py's SHAPES: (E, top_k, H, I, group size; -1 channel-wise)
+        "qwen3-30b-a3b": (128, 8, 2048, 768, 128), "qwen3.5-35b-a3b": (256, 8, 2048, 512, 32),
+        "k1344-gs32": (8, 2, 1344, 1024, 32), "mixtral-8x7b": (8, 2, 4096, 14336, 128),
+        "deepseek-v2-lite": (64, 6, 2048, 1408, 128), "ct-channelwise": (128, 8, 2816, 704, -1),
+    }  # fmt: skip
+    times: dict[tuple[str, int], dict[str, float]] = {}
+    root = Path(__file__).resolve().parents[2]
+    with open(root / "bench/results/h100/results.csv") as f:
+        for r in csv.DictReader(f):
+            if r["run"].startswith("adcda24-swapfused") and r["provider"] in (
+                "plugin-triton-auto",
+                "plugin-triton-swap",
+            ):
+                times.setdefault((r["shape"], int(r["M"])), {})[r["provider"]] = float(r["median_us"])
+    checked = 0
+    for (shape, m), t in sorted(times.items()):
+        E, top_k, H, inter, gs = shapes[shape]
+        cfgs = triton_launch(m, E, H, inter, top_k, H if gs == -1 else gs, inter if gs == -1 else gs, 4,
+                             "NVIDIA H100 80GB HBM3").configs  # fmt: skip
+        dots = [c for c in cfgs if c.BLOCK_SIZE_M >= 16]  # the tiles the forced swap swapped
+        if not dots:
+            continue  # per pair: nothing to swap
+        rule = {swap_takes_wgmma(c) for c in dots}
+        if len(rule) == 2:
+            continue
+        ratio = t["plugin-triton-swap"] / t["plugin-triton-auto"]
+        if rule == {True}:
+            assert ratio <= 1.03, f"{shape} M={m}: the rule swaps, the swapped layer took {ratio:.2f}x"
+        else:
+            assert ratio >= 0.97, f"{shape} M={m}: the rule keeps the plain tile, the swapped took {ratio:.2f}x"
+        checked += 1
+    assert checked >= 30, checked

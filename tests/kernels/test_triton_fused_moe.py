@@ -615,8 +615,10 @@ def test_swapped_tile_is_a_transpose_not_another_product():
 
 def test_swap_policy():
     swap = configs.swap_form
-    assert swap(Cfg(16, 64, 128), KernelOptions()) == Cfg(16, 64, 128)  # the config's own opinion: not swapped
-    assert swap(Cfg(16, 64, 128, swap_ab=True), KernelOptions()).swap_ab
+    assert swap(Cfg(16, 64, 128), KernelOptions()).swap_ab  # the rule: 64 weight rows, wgmma's M (swap_takes_wgmma)
+    assert swap(Cfg(16, 32, 128), KernelOptions()) == Cfg(16, 32, 128)  # 32 weight rows: the plain tile won
+    assert not swap(Cfg(16, 64, 128), KernelOptions(swap_ab=False)).swap_ab
+    assert swap(Cfg(16, 32, 128, swap_ab=True), KernelOptions()).swap_ab  # a tuned opinion beyond the rule
     assert not swap(Cfg(16, 64, 128, swap_ab=True), KernelOptions(swap_ab=False)).swap_ab
     assert swap(Cfg(32, 64, 64), SWAP).swap_ab
     assert not swap(Cfg(1, 64, 128), SWAP).swap_ab  # per pair: no tl.dot

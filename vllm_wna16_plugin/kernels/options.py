@@ -155,18 +155,21 @@ class KernelOptions:
       M=1 but +11-121% from M=16 against the same layer without act order (2026-12-05-c410069-ao); "rows"
       is not yet timed, so "load" stays the default (bench_moe.py: plugin-triton-auto-rows-ao).
     swap_ab: the Triton tl.dot tile as C.T = dequant(B) @ A.T (configs.swap_form, dequant._tile_dot):
-      None = each config's own swap_ab (a tuner's measured opinion; False in every shipped table), True =
-      every tile of BLOCK_SIZE_M >= 16, False = none. The swapped form is for sm90's wgmma, which needs
-      64 rows of the M operand but takes 8-256 of N: 16-64 routed tokens per expert fit N, the weight
-      tile's 64-128 rows fit M. Not yet timed on a GPU (bench_moe.py: plugin-triton-swap; the tuners'
-      stage B times it), so no default swaps.
+      None = where the config says so or the rule does (configs.swap_takes_wgmma: >= 16 token rows and >= 64
+      weight rows), True = every tile of BLOCK_SIZE_M >= 16, False = none. The swapped form is for sm90's
+      wgmma, which needs 64 rows of the M operand but takes 8-256 of N: 16-64 routed tokens per expert fit
+      N, the weight tile's 64-128 rows fit M. H100 2026-12-05-adcda24-swapfused (six shapes, M 1-1024,
+      vLLM 0.34): the layer took 0.84-1.02x the plain tiles' time where the rule swaps, 1.12-1.22x on 32-row
+      weight tiles (which it does not swap).
     triton_fuse_act: the Triton layer's GEMM1 computes the gated activation in its epilogue (configs.fuse_form,
       TritonMoEConfig.fuse_act): None = each GEMM1 config's own opinion (False in every shipped table), True =
       every GEMM1 not split along K, False = never. Fused, one program reads the gate and the up rows of its
       columns against one A tile and writes act(gate) * up: one launch fewer per layer call and no (M * top_k,
       2I) intermediate, against half as many programs over N, each with two accumulators. The CUDA layer fuses
-      where its tensor-core kernel runs. Not yet timed in Triton (bench_moe.py: plugin-triton-fused; the tuners'
-      stage B times it against GEMM1 plus the activation kernel), so nothing fuses by default.
+      where its tensor-core kernel runs. H100 2026-12-05-adcda24-swapfused (forced at auto's tiles): 0.87-0.98x
+      the unfused layer's time at M 1-8 on most shapes, but 1.05-1.06x on the channel-wise shape at M 1-2
+      and 1.05-1.29x on most tl.dot tiles from M=8: no rule yet, so nothing fuses by default (the tuners'
+      stage B times it per entry against GEMM1 plus the activation kernel).
     """
 
     use_td: bool | None = None

@@ -292,12 +292,23 @@ def dot_form(bits: int, config: TritonMoEConfig, K: int, rows_on_words: bool, us
     return "split" if want == "split" and config.BLOCK_SIZE_K >= 32 else "interleave"
 
 
+def swap_takes_wgmma(config: TritonMoEConfig) -> bool:
+    """The rule for the swapped tile: a tl.dot tile of >= 16 token rows (the MMA's N) and >= 64 weight rows
+    (its M: sm90's wgmma takes 64 rows per warpgroup). Fitted on Qwen3-30B-A3B and Mixtral-8x7B, checked on
+    Qwen3.5-35B-A3B, DeepSeek-V2-Lite, the channel-wise and K=1344 shapes (H100, vLLM 0.34, Triton 3.6,
+    bench/results/h100/2026-12-05-adcda24-swapfused*.md): swapped tiles of 64-128 weight rows took 0.84-1.02x
+    the plain tile's time at M 4-1024 (0.84-0.91x at M >= 256); 32-row ones 1.12-1.22x (K=1344, M 2-32)."""
+    return not config.per_pair and config.BLOCK_SIZE_M >= 16 and config.BLOCK_SIZE_N >= 64
+
+
 def swap_form(config: TritonMoEConfig, options) -> TritonMoEConfig:
-    """The config a launch runs under KernelOptions.swap_ab (`options`): None keeps the config's own
-    swap_ab (False unless a tuner measured it), True swaps every tl.dot tile of BLOCK_SIZE_M >= 16,
-    False none. Per-pair configs have no tl.dot and never swap."""
+    """The config a launch runs under KernelOptions.swap_ab (`options`): None swaps where the config says
+    so or the rule does (swap_takes_wgmma), True swaps every tl.dot tile of BLOCK_SIZE_M >= 16, False none.
+    Per-pair configs have no tl.dot and never swap."""
     want = getattr(options, "swap_ab", None)
-    if want is None or config.per_pair or want == config.swap_ab or (want and config.BLOCK_SIZE_M < 16):
+    if want is None:
+        want = config.swap_ab or swap_takes_wgmma(config)
+    if config.per_pair or want == config.swap_ab or (want and config.BLOCK_SIZE_M < 16):
         return config
     return replace(config, swap_ab=want)
 

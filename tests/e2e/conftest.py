@@ -35,7 +35,6 @@ LOGPROB_ATOL = 0.5
 # vllm serve's memory flags, as llm_runner's: a fixed 256 MiB KV cache skips vLLM's memory profiling,
 # which other processes on the GPU would upset (gpu_session.sh e2e-par runs serve beside LLM runs)
 SHARED_GPU_MEMORY = ["--gpu-memory-utilization", "0.04", "--kv-cache-memory-bytes", str(256 << 20)]
-AGREE_MIN = 8  # the serve test: tokens that must agree with offline greedy, same backend, other batch
 
 
 def free_port() -> int:

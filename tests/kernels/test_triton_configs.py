@@ -10,8 +10,10 @@ from vllm_wna16_plugin.kernels.triton.configs import (
     CONFIG_DIR,
     TUNED_M_REACH,
     TritonMoEConfig,
+    block_m_rule,
     config_file_name,
     default_config,
+    expected_block_reads,
     get_triton_moe_config,
     load_tuned_configs,
     nearest_tuned_m,
@@ -19,6 +21,12 @@ from vllm_wna16_plugin.kernels.triton.configs import (
 
 _NAME = re.compile(r"E=(\d+),N=(\d+),K=(\d+),group_size=(-?\d+),bits=(\d+),device_name=(.+)\.json")
 SHIPPED = sorted(CONFIG_DIR.glob("*.json"))
+# bench_moe.py's SHAPES, the shapes the shipped tables were tuned for: (E, top_k, H, I, group size; -1 channel-wise)
+BENCH_SHAPES = {
+    "qwen3-30b-a3b": (128, 8, 2048, 768, 128), "qwen3.5-35b-a3b": (256, 8, 2048, 512, 32),
+    "k1344-gs32": (8, 2, 1344, 1024, 32), "mixtral-8x7b": (8, 2, 4096, 14336, 128),
+    "deepseek-v2-lite": (64, 6, 2048, 1408, 128), "ct-channelwise": (128, 8, 2816, 704, -1),
+}  # fmt: skip
 
 
 def test_h200_configs_are_shipped():
@@ -73,11 +81,7 @@ def test_the_swap_rule_agrees_with_the_h100_measurements():
 
     from vllm_wna16_plugin.kernels.triton.configs import swap_takes_wgmma, triton_launch
 
-    shapes = {  # bench_moe.py's SHAPES: (E, top_k, H, I, group size; -1 channel-wise)
-        "qwen3-30b-a3b": (128, 8, 2048, 768, 128), "qwen3.5-35b-a3b": (256, 8, 2048, 512, 32),
-        "k1344-gs32": (8, 2, 1344, 1024, 32), "mixtral-8x7b": (8, 2, 4096, 14336, 128),
-        "deepseek-v2-lite": (64, 6, 2048, 1408, 128), "ct-channelwise": (128, 8, 2816, 704, -1),
-    }  # fmt: skip
+    shapes = BENCH_SHAPES
     times: dict[tuple[str, int], dict[str, float]] = {}
     root = Path(__file__).resolve().parents[2]
     with open(root / "bench/results/h100/results.csv") as f:
@@ -105,3 +109,47 @@ def test_the_swap_rule_agrees_with_the_h100_measurements():
             assert ratio >= 0.97, f"{shape} M={m}: the rule keeps the plain tile, the swapped took {ratio:.2f}x"
         checked += 1
     assert checked >= 30, checked
+
+
+def test_the_block_m_rule_agrees_with_the_h200_tuner():
+    """configs.block_m_rule against what it was fitted on: every tl.dot entry of the shipped H200 tables
+    (bench/tune.py's pick among tile heights 16-128 for the bench shapes, M 4-8192)."""
+    top_k_of = {}
+    for E, top_k, H, inter, _ in BENCH_SHAPES.values():
+        top_k_of[(E, 2 * inter, H)] = top_k_of[(E, H, inter)] = top_k
+    checked = 0
+    for path in SHIPPED:
+        E, N, K, gs, bits, device = _NAME.fullmatch(path.name).groups()
+        E, N, K = int(E), int(N), int(K)
+        for m, cfg in load_tuned_configs(E, N, K, int(gs), int(bits), device.replace("_", " ")).items():
+            if cfg.BLOCK_SIZE_M == 1:
+                continue  # per pair: the GEMV regime, not a tile height
+            assert block_m_rule(m, E, top_k_of[(E, N, K)]) == cfg.BLOCK_SIZE_M, f"{path.name} M={m}"
+            checked += 1
+    assert checked >= 70, checked
+
+
+@pytest.mark.parametrize("M,E,top_k,block_m", [(64, 8, 2, 16), (64, 8, 2, 32), (256, 128, 8, 16), (48, 40, 8, 16),
+                                               (512, 64, 6, 64), (3, 4, 4, 16), (200, 16, 1, 32)])  # fmt: skip
+def test_expected_block_reads_matches_sampled_routing(M, E, top_k, block_m):
+    # routing sampled as a router does it (top_k distinct experts per token), counted per expert hit
+    import torch
+
+    gen = torch.Generator().manual_seed(M * 1000 + E)
+    trials, reads, hit = 4000, 0, 0
+    for _ in range(trials):
+        ids = torch.rand(M, E, generator=gen).topk(top_k, dim=1).indices
+        counts = torch.bincount(ids.flatten(), minlength=E)
+        reads += int((-(-counts // block_m)).sum())
+        hit += int((counts > 0).sum())
+    sampled = reads / hit
+    assert expected_block_reads(M, E, top_k, block_m) == pytest.approx(sampled, rel=0.01)
+
+
+def test_default_config_tiles_follow_the_block_m_rule():
+    # the rule's height in every tl.dot regime, on shapes the tables do not hold (validation-set sizes)
+    for M, E, N, K, top_k in [(64, 8, 32768, 6144, 2), (256, 64, 5120, 3584, 8), (4096, 16, 16384, 5120, 1),
+                              (64, 40, 1024, 1536, 8), (16, 512, 1024, 2048, 10)]:  # fmt: skip
+        cfg = default_config(M, E, N, K, top_k, 128, 4)
+        assert cfg.BLOCK_SIZE_M == block_m_rule(M, E, top_k), (M, E, cfg)
+    assert default_config(4096, 8, 4096, 4096, 2, 128, 4).num_warps == 8  # 128 rows: 8 warps

@@ -909,11 +909,11 @@ def test_default_config_is_legal_and_k_tail_is_small(K, gs, M):
         pytest.param(1, 8, 4096, 14336, 2, dict(BLOCK_SIZE_M=1, BLOCK_SIZE_N=32, SPLIT_K=2), id="mixtral-w2-m1"),
         # M=16 at E=128 top8: pairs share experts, tl.dot tiles of 16 rows
         pytest.param(16, 128, 1536, 2048, 8, dict(BLOCK_SIZE_M=16, BLOCK_SIZE_K=256, num_stages=4), id="qwen3-m16"),
-        # 64 tokens per expert (Qwen3-30B-A3B at M=1024): the H200 tuner's 32x64x64 tile at this load
-        pytest.param(
-            1024, 128, 1536, 2048, 8, dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64), id="qwen3-m1024"
-        ),  # fmt: skip
-        pytest.param(4096, 8, 4096, 4096, 2, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, SPLIT_K=1), id="prefill"),
+        # 24 tokens per expert (DeepSeek-V2-Lite at M=256): the H200 tuner's 32x64x64 tile at this load
+        pytest.param(256, 64, 2816, 2048, 6, dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64), id="dsv2-m256"),
+        # 64 tokens per expert (Qwen3-30B-A3B at M=1024): 64-row tiles (block_m_rule), as the tuner's
+        pytest.param(1024, 128, 1536, 2048, 8, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_K=64), id="qwen3-m1024"),
+        pytest.param(4096, 8, 4096, 4096, 2, dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, SPLIT_K=1), id="prefill"),
     ],
 )
 def test_default_config_regimes(M, E, N, K, top_k, want):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -192,39 +193,90 @@ def expected_experts_hit(pairs: int, E: int) -> float:
     return E * (1.0 - (1.0 - 1.0 / E) ** pairs) if E > 1 else 1.0
 
 
+# default_config's tile height (block_m_rule): while an expert gets at most BLOCK_M_REREAD_MAX_MEAN tokens on
+# average its weights' bytes decide, and the tile grows until the expected weight re-reads
+# (expected_block_reads) are within BLOCK_M_MAX_REREAD; beyond that the tile's MMA work does, and the tile is
+# the largest power of two not above the mean (64 to 128 rows).
+BLOCK_M_REREAD_MAX_MEAN = 32.0
+BLOCK_M_MAX_REREAD = 1.1
+TILE_BLOCK_M = (16, 32, 64, 128)
+
+
+def expected_block_reads(M: int, E: int, top_k: int, block_m: int) -> float:
+    """E[sum_e ceil(n_e / block_m)] / E[experts hit], n_e ~ Binomial(M, top_k / E) (uniform routing, top_k
+    distinct experts per token): how many times, on average, a hit expert's weights are read by tiles of
+    block_m routed pairs (1.0: one tile holds all of an expert's pairs)."""
+    p = min(1.0, top_k / E)
+    if p >= 1.0:
+        return float(math.ceil(M / block_m))
+    mean, sd = M * p, math.sqrt(M * p * (1.0 - p))
+    hi = min(M, int(mean + 12.0 * sd + block_m) + 1)  # the mass beyond is below 1e-30
+    log_q, log_1q = math.log(p), math.log1p(-p)
+    log_m = math.lgamma(M + 1)
+    reads, p_zero = 0.0, math.exp(M * log_1q)
+    for n in range(1, hi + 1):
+        pmf = math.exp(log_m - math.lgamma(n + 1) - math.lgamma(M - n + 1) + n * log_q + (M - n) * log_1q)
+        reads += pmf * -(-n // block_m)
+    return reads / (1.0 - p_zero)
+
+
+def block_m_rule(M: int, E: int, top_k: int) -> int:
+    """BLOCK_SIZE_M of default_config's tl.dot tiles for M tokens (GEMV_MAX_PAIRS_PER_EXPERT aside).
+
+    mean = pairs / experts hit. mean <= BLOCK_M_REREAD_MAX_MEAN: the smallest of 16 / 32 / 64 rows whose
+    expected_block_reads <= BLOCK_M_MAX_REREAD (an expert whose pairs overflow a tile has its weights read
+    again by the next); above it min(128, max(64, 2**floor(log2(mean)))). Fitted on the H200 tuner's 72
+    tl.dot entries of the five bench shapes (configs/*.json, M 16-8192; bench/results/h200/2026-12-03-*):
+    it picks the tuned height on all 72, where the former thresholds on the mean (16 rows up to a mean of
+    16 tokens, 32 up to 64, else 64) picked it on 32: the tuner took 32 rows at a mean of 16 (Mixtral M=64,
+    E=128 M=256, where 16-row tiles read each expert 1.43 times), 64 at a mean of 32-64 and 128 from a mean
+    of 128 (prefill). Not yet timed on shapes it was not fitted on (the validation set, issue 22).
+    """
+    pairs = max(1, M * top_k)
+    mean = pairs / expected_experts_hit(pairs, E)
+    if mean <= BLOCK_M_REREAD_MAX_MEAN:
+        for bm in TILE_BLOCK_M[:3]:
+            if expected_block_reads(M, E, top_k, bm) <= BLOCK_M_MAX_REREAD:
+                return bm
+        return TILE_BLOCK_M[2]
+    return min(128, max(64, 1 << int(math.floor(math.log2(mean)))))
+
+
 @functools.lru_cache(maxsize=4096)
 def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, bits: int) -> TritonMoEConfig:
-    """GPU-blind heuristic for one GEMM, pending H200 tuning (bench/tune.py writes the tuned JSON).
+    """GPU-blind heuristic for one GEMM where no tuned entry applies (bench/tune.py writes those).
 
     Decode is bound by the weight bytes, so every regime asks for wide, deep B loads:
     BLOCK_SIZE_K=256 where the group size allows it (int4 rows of 128 bytes: 16-byte
-    vector / cp.async loads per thread) and 4 stages in flight.
-      per pair   while routed pairs rarely share an expert (pairs / experts hit <= 1.15:
-                 M=1 always, M <= 4 at E=128 top8) BLOCK_SIZE_M=1: one pair per program,
-                 no alignment launch, a GEMV without tl.dot.
-      small M    (<= 16 tokens per expert) BLOCK_SIZE_M=16 tl.dot tiles.
-      larger M   32 / 64 row tiles with grouped ordering, BLOCK_SIZE_K 64.
-    BLOCK_SIZE_N shrinks from 128 (64 per pair) until the grid has >= 2 programs per SM;
-    if it is still short and K has >= 8 tiles, SPLIT_K (2 or 4) fills it.
+    vector / cp.async loads per thread) and 4 stages in flight. With mean = pairs / experts hit:
+      per pair   while routed pairs rarely share an expert (mean <= 1.15: M=1 always, M <= 4 at
+                 E=128 top8) BLOCK_SIZE_M=1: one pair per program, no alignment launch, a GEMV
+                 without tl.dot.
+      small M    (mean <= 16) K 256, N 128 tiles, 4 warps, 4 stages.
+      larger M   (mean <= 64) K 64, N 64 tiles, grouped ordering.
+      prefill    K 64, N 128 tiles, 3 stages, 8 warps for 128 rows.
+    BLOCK_SIZE_M of the tl.dot regimes is block_m_rule's. BLOCK_SIZE_N shrinks from 128 (64 per pair)
+    until the grid has >= 2 programs per SM; if it is still short and K has >= 8 tiles, SPLIT_K (2 or 4)
+    fills it.
     """
     pairs = max(1, M * top_k)
     hit = expected_experts_hit(pairs, E)
     tokens_per_expert = pairs / hit
     gs = K if group_size == -1 else group_size
-    if pairs / hit <= GEMV_MAX_PAIRS_PER_EXPERT:
+    if tokens_per_expert <= GEMV_MAX_PAIRS_PER_EXPERT:
         bm, bk_wish, group_m, warps, stages, bn = 1, 256, 1, 4, 4, 64
         m_blocks = pairs
-    elif tokens_per_expert <= 16:
-        bm, bk_wish, group_m, warps, stages, bn = 16, 256, 1, 4, 4, 128
-        m_blocks = hit
-    elif tokens_per_expert <= 64:
-        # the H200 tuner's choice at 24-64 tokens per expert on five GEMM shapes (M=256 entries);
-        # the former 32x128x128 took 1.7-2.5x as long there (bench/results/h200/2026-12-03-15324db-*)
-        bm, bk_wish, group_m, warps, stages, bn = 32, 64, 8, 4, 4, 64
-        m_blocks = hit * -(-int(tokens_per_expert) // 32)
     else:
-        bm, bk_wish, group_m, warps, stages, bn = 64, 64, 8, 8, 3, 128
-        m_blocks = hit * -(-int(tokens_per_expert) // 64)
+        bm = block_m_rule(M, E, top_k)
+        if tokens_per_expert <= 16:
+            bk_wish, group_m, warps, stages, bn = 256, 1, 4, 4, 128
+        elif tokens_per_expert <= 64:
+            # the H200 tuner's choice at 24-64 tokens per expert on the E >= 64 bench shapes (M=256 entries);
+            # the former 32x128x128 took 1.7-2.5x as long there (bench/results/h200/2026-12-03-15324db-*)
+            bk_wish, group_m, warps, stages, bn = 64, 8, 4, 4, 64
+        else:
+            bk_wish, group_m, warps, stages, bn = 64, 8, 8 if bm >= 128 else 4, 3, 128
+        m_blocks = hit * expected_block_reads(M, E, top_k, bm)
     m_blocks = max(1, int(m_blocks))
     while bn > 32 and m_blocks * -(-N // bn) < MIN_PROGRAMS:
         bn //= 2

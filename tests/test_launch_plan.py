@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_wna16_plugin import crossover
-from vllm_wna16_plugin.backends import MoEProblem, RunOptions
+from vllm_wna16_plugin.backends import MoEProblem, RunOptions, registry
 from vllm_wna16_plugin.backends.base import layer_device
 from vllm_wna16_plugin.backends.cuda import layer_ranges
 from vllm_wna16_plugin.checkpoint_config import effective_group_size
@@ -234,7 +234,7 @@ def test_a_tuned_config_dir_in_the_options_is_what_the_plan_and_the_launch_use(t
 
 def test_a_cuda_layer_under_auto_hands_batches_outside_its_crossover_to_triton(tmp_path, monkeypatch):
     # the composition is the plan's: the cuda backend never calls triton itself
-    from vllm_wna16_plugin.backends import KernelTensors, registry
+    from vllm_wna16_plugin.backends import KernelTensors
     from vllm_wna16_plugin.backends.cuda import CudaBackend
     from vllm_wna16_plugin.backends.triton import TritonBackend
 
@@ -276,3 +276,26 @@ def test_float32_activations_never_reach_a_half_precision_kernel():
         assert name in refused and "activations are float32" in refused[name], (name, refused)
     with pytest.raises(ValueError, match="activations are float32; this kernel takes bfloat16 or float16"):
         select_backend(problem, "triton", "test")
+
+
+@pytest.mark.parametrize(
+    "H, inter, tp, gs, gemm, group",
+    [
+        pytest.param(96, 48, 1, 24, "w13", 24, id="gs24"),  # neither a power of two nor a multiple of 16
+        pytest.param(240, 80, 1, 40, "w13", 40, id="gs40"),
+        pytest.param(96, 144, 2, 48, "w2", 24, id="gs48-tp2-regrouped-24"),  # 72 rows per rank: gcd(48, 72) = 24
+    ],
+)
+def test_groups_no_triton_tile_can_hold_go_to_reference_with_the_reason(H, inter, tp, gs, gemm, group):
+    # they load (the regrouping only needs g >= 16); before, triton took them and failed at the first forward
+    problem = layer_problem(4, 2, H, inter, tp, 4, gs)
+    assert problem is not None
+    reason = registry()["triton"].incompatibility_reason(problem)
+    assert reason and f"{gemm} group size {group} " in reason and "power of two nor a multiple of 16" in reason
+    selection = select_backend(problem)
+    assert selection.backend.name == "reference", selection.explain()
+    assert f"group size {group}" in selection.explain()
+    # a power of two below 16 and multiples of 16 that are not powers of two keep the kernel
+    for fine in (8, 48):
+        ok = dataclasses.replace(problem, hidden=96, intermediate=48, group_size_w13=fine, group_size_w2=fine)
+        assert registry()["triton"].incompatibility_reason(ok) is None

@@ -153,3 +153,20 @@ def test_default_config_tiles_follow_the_block_m_rule():
         cfg = default_config(M, E, N, K, top_k, 128, 4)
         assert cfg.BLOCK_SIZE_M == block_m_rule(M, E, top_k), (M, E, cfg)
     assert default_config(4096, 8, 4096, 4096, 2, 128, 4).num_warps == 8  # 128 rows: 8 warps
+
+
+@pytest.mark.parametrize("gs, K, ok", [(8, 96, True), (16, 96, True), (48, 96, True), (96, 96, True), (128, 256, True),
+                                       (-1, 100, True), (24, 96, False), (40, 240, False), (12, 96, False)])  # fmt: skip
+def test_group_size_reason_matches_the_tiles_check_shape_accepts(gs, K, ok):
+    from vllm_wna16_plugin.kernels.triton.configs import TILE_BLOCK_K, group_size_reason
+
+    legal = [bk for bk in TILE_BLOCK_K if _legal(TritonMoEConfig(16, 64, bk), K, gs)]
+    assert (group_size_reason("w2", gs, K) is None) == ok == bool(legal)
+
+
+def _legal(cfg: TritonMoEConfig, K: int, gs: int) -> bool:
+    try:
+        cfg.check_shape(K, gs)
+    except ValueError:
+        return False
+    return True

@@ -13,6 +13,7 @@ from vllm_wna16_plugin.backends.base import (
     layer_kwargs,
     sort_act_order,
 )
+from vllm_wna16_plugin.kernels.triton.configs import group_size_reason
 
 TRITON_ACTIVATIONS = ("silu", "gelu")
 
@@ -24,7 +25,7 @@ def _interpreter_on() -> bool:
 class TritonBackend(Backend):
     name = "triton"
     sorted_act_order = True
-    description = "plugin Triton kernel (int4/int8, any group size, TD path on sm90+/XPU)"
+    description = "plugin Triton kernel (int4/int8, groups of a power of two or a multiple of 16, TD path on sm90+/XPU)"
 
     def incompatibility_reason(self, problem: MoEProblem) -> str | None:
         on_gpu = problem.platform in ("cuda", "xpu", "rocm")
@@ -41,6 +42,10 @@ class TritonBackend(Backend):
             return f"activation {problem.activation!r} is not one of {list(TRITON_ACTIVATIONS)}"
         if reason := half_precision_reason(problem):
             return reason
+        for gemm, gs, k in (("w13", problem.group_size_w13, problem.hidden),
+                            ("w2", problem.group_size_w2, problem.intermediate)):  # fmt: skip
+            if reason := group_size_reason(gemm, gs, k):
+                return reason
         if problem.options.plan_only:  # doctor: judge the device described, not this machine
             return None
         try:

@@ -163,12 +163,28 @@ def load_tuned_configs(
     return _load((config_dir or CONFIG_DIR) / config_file_name(E, N, K, group_size, bits, device_name))
 
 
+TILE_BLOCK_K = (256, 128, 64, 32, 16)  # the K tiles a config may have (tl.dot needs K >= 16; powers of two)
+
+
+def group_size_reason(gemm: str, group_size: int, K: int) -> str | None:
+    """Why no K tile of the Triton kernel serves this GEMM's scale groups (None: one does). A tile must hold
+    whole groups or lie inside one (check_shape), so a group size needs to be a power of two or a multiple of
+    16; channel-wise (group_size -1 or K) takes any tile. A checkpoint's group 24 or 48 regrouped to 24 on a
+    tensor-parallel rank would otherwise load and fail at its first forward."""
+    if group_size in (-1, K) or any(bk % group_size == 0 or group_size % bk == 0 for bk in TILE_BLOCK_K):
+        return None
+    return (
+        f"{gemm} group size {group_size} (K={K}) is neither a power of two nor a multiple of 16: no K tile of the "
+        f"Triton kernel ({', '.join(map(str, sorted(TILE_BLOCK_K)))}) holds whole groups or lies inside one"
+    )
+
+
 def _pick_block_k(K: int, group_size: int, wish: int) -> int:
     """Largest power of two <= wish (>= 16) legal for the group size whose K tail wastes <= 1/8 of
     the K loop (K=1344: 128, not 256; K=2048: 256), else the legal one that wastes least."""
     legal = [
         bk
-        for bk in (256, 128, 64, 32, 16)
+        for bk in TILE_BLOCK_K
         if bk <= wish and (group_size in (-1, K) or bk % group_size == 0 or group_size % bk == 0)
     ]
     if not legal:
@@ -515,6 +531,7 @@ __all__ = [
     "default_config",
     "expected_experts_hit",
     "get_triton_moe_config",
+    "group_size_reason",
     "load_tuned_configs",
     "nearest_tuned_m",
 ]

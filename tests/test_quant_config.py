@@ -352,3 +352,48 @@ def test_a_moe_block_the_file_stores_unquantized_loads_unquantized(vllm_cpu, mon
     monkeypatch.setattr(_vllm, "unquantized_moe_method", lambda moe_config: "unquantized MoE")
     method = cfg.get_quant_method(layer, prefix)
     assert (method == "unquantized MoE") == unquantized, method
+
+
+LM_HEAD_CONFIGS = {
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+}
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_a_quantized_lm_head_gets_the_in_tree_method_as_vllms_own_config_gives_it(vllm_cpu, fmt):
+    # GPTQModel / AutoAWQ `lm_head: true`: the head's qweight must have a parameter to load into (before, the
+    # head was built unquantized and vLLM's loader failed on "lm_head.qweight")
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from vllm_wna16_plugin import _vllm
+
+    head_cls = _vllm.parallel_lm_head_cls()
+    plus = get_quantization_config("moe_wna16_plus").from_config({**LM_HEAD_CONFIGS[fmt], "lm_head": True})
+    bare = head_cls(1024, 256, prefix="lm_head")  # no quant_config: the method is asked for below
+    asked = []
+    delegate = plus._delegate()
+    in_tree = delegate.get_quant_method
+    # GPTQ's in-tree method checks the device's Marlin support as it is made (no GPU here): record the ask
+    delegate.get_quant_method = lambda layer, prefix: asked.append((layer, prefix)) or "in-tree method"
+    assert plus.get_quant_method(bare, "lm_head") == "in-tree method" and asked == [(bare, "lm_head")]
+    delegate.get_quant_method = in_tree
+    if fmt == "awq":
+        assert "Linear" in type(plus.get_quant_method(bare, "lm_head")).__name__
+    plain = get_quantization_config("moe_wna16_plus").from_config(LM_HEAD_CONFIGS[fmt])
+    assert plain.get_quant_method(bare, "lm_head") is None  # vLLM's float embedding method
+    if fmt == "awq":  # GPTQ's in-tree method needs a GPU's capability to create its weights (Marlin's check)
+        head = head_cls(1024, 256, quant_config=plus, prefix="lm_head")
+        params = {n for n, _ in head.named_parameters()}
+        assert {"qweight", "scales", "qzeros"} <= params and "weight" not in params, params
+
+
+def test_an_asymmetric_gptq_lm_head_is_refused_by_name(vllm_cpu):
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from vllm_wna16_plugin import _vllm
+
+    raw = {**LM_HEAD_CONFIGS["gptq"], "sym": False, "lm_head": True}
+    plus = get_quantization_config("moe_wna16_plus").from_config(raw)
+    with pytest.raises(ValueError, match=r"'lm_head' is stored quantized .*lm_head=true.*sym=false.*re-export"):
+        _vllm.parallel_lm_head_cls()(1024, 256, quant_config=plus, prefix="lm_head")

@@ -246,7 +246,27 @@ def make_config_class():
                 if owns_linear(self.parsed.quant_method, scheme):  # vLLM's GPTQ method is symmetric-only
                     return make_gptq_asym_linear_method(scheme, prefix, fused or DEFAULT_FUSED_MAPPING)
                 return self._linear_method(layer, prefix)
+            if self.parsed.lm_head_quantized and isinstance(layer, _vllm.parallel_lm_head_cls()):
+                return self._lm_head_method(layer, prefix)
             return None
+
+        def _lm_head_method(self, layer, prefix: str):
+            """GPTQ / AWQ `lm_head: true`: a head stored quantized runs the in-tree method of the format, which
+            takes a ParallelLMHead as a linear layer (vLLM's own gptq / awq do the same); a head stored as floats
+            stays unquantized (None: vLLM's embedding method)."""
+            scheme = self.parsed.scheme_for(prefix, fused_mapping=None, moe=False)
+            if scheme is None or not self._stored_quantized(prefix):
+                return None
+            from vllm_wna16_plugin.gptq_linear import owns_linear
+
+            if owns_linear(self.parsed.quant_method, scheme):
+                raise ValueError(
+                    f"moe_wna16_plus: {prefix!r} is stored quantized ({scheme.describe()}, config lm_head=true) with "
+                    f"zero points (sym=false), and no lm_head kernel here takes GPTQ zero points (vLLM's GPTQ method "
+                    f"is symmetric-only, the plugin's own asymmetric linear method serves Linear layers only): "
+                    f"re-export the checkpoint with the lm_head unquantized or symmetric"
+                )
+            return self._linear_method(layer, prefix)
 
     MoeWNA16PlusConfig.__qualname__ = "MoeWNA16PlusConfig"  # not make_config_class.<locals>.…
     return MoeWNA16PlusConfig

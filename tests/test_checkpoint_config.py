@@ -705,9 +705,9 @@ BAD_CONFIGS = [
         r"quant_method='bitsandbytes' is not a WNA16",
         id="bnb",
     ),
-    pytest.param(
-        _without(GPTQ_INT8, "quant_method"),
-        r"quantization_config\.quant_method is missing; supported: 'gptq'",
+    pytest.param(  # no tool's side-file keys either (a GPTQ one without quant_method is read as GPTQ)
+        {"bits": 8, "group_size": 64},
+        r"quantization_config\.quant_method is missing .*; supported: 'gptq'",
         id="no-method",
     ),
     pytest.param({"quant_method": None}, r"quant_method=None is not a WNA16", id="method-none"),

@@ -255,7 +255,7 @@ def test_ct_dynamic_weights_refused_exactly_where_vllm_sees_no_static_wna16(conf
     [
         pytest.param("gptq", r"quantization_config='gptq' is not a JSON object", id="str"),
         pytest.param([GPTQ], r"quantization_config=\[.*\] is not a JSON object", id="list"),
-        pytest.param({}, r"quantization_config\.quant_method is missing; supported: 'gptq', 'awq'", id="empty"),
+        pytest.param({}, r"quantization_config\.quant_method is missing .*; supported: 'gptq', 'awq'", id="empty"),
         pytest.param(GPTQ | {"group_size": "32"}, r"group_size='32' is a string, not an int", id="gs-str"),
         pytest.param(GPTQ | {"desc_act": 1}, r"desc_act=1 is an int, not a bool", id="desc_act-int"),
     ],
@@ -397,3 +397,48 @@ def test_an_asymmetric_gptq_lm_head_is_refused_by_name(vllm_cpu):
     plus = get_quantization_config("moe_wna16_plus").from_config(raw)
     with pytest.raises(ValueError, match=r"'lm_head' is stored quantized .*lm_head=true.*sym=false.*re-export"):
         _vllm.parallel_lm_head_cls()(1024, 256, quant_config=plus, prefix="lm_head")
+
+
+SIDE_FILES = {  # as the tools wrote them, without quant_method, beside a config.json without quantization_config
+    "awq": ("quant_config.json", {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}),
+    "gptq": ("quantize_config.json", {"bits": 4, "group_size": 32, "damp_percent": 0.01, "desc_act": False,
+                                      "static_groups": False, "sym": True, "true_sequential": True,
+                                      "model_name_or_path": None, "model_file_base_name": "model"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_a_side_file_without_quant_method_is_read_as_its_tool_wrote_it(tmp_path, fmt):
+    # AutoAWQ's quant_config.json was not looked for, AutoGPTQ's quantize_config.json (no quant_method) refused
+    import json
+
+    import vllm_wna16_plugin
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    vllm_wna16_plugin.register()
+    path = make_checkpoint(tmp_path / "ck", fmt=fmt, bits=4, group_size=32, sym=fmt != "awq", hidden=128,
+                           intermediate=64, experts=4, top_k=2, layers=1)  # fmt: skip
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (path / "config.json").write_text(json.dumps(cfg))
+    name, side = SIDE_FILES[fmt]
+    (path / name).write_text(json.dumps(side))
+    from vllm.config import LoadConfig, ModelConfig
+    from vllm.model_executor.model_loader.weight_utils import get_quant_config
+
+    qc = get_quant_config(ModelConfig(model=str(path), tokenizer=str(path), quantization="moe_wna16_plus"),
+                          LoadConfig())  # fmt: skip
+    assert (
+        qc.parsed.quant_method == fmt and qc.parsed.scheme_for("model.layers.0.mlp.experts", moe=True).group_size == 32
+    )
+
+
+def test_side_file_keys_name_the_format_only_when_they_are_a_tools():
+    from vllm_wna16_plugin.checkpoint_config import parse_quantization_config, side_file_method
+
+    assert [side_file_method(v[1]) for v in SIDE_FILES.values()] == ["awq", "gptq"]
+    assert side_file_method({"bits": 4, "group_size": 128}) is None  # nothing says which tool
+    assert side_file_method({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}) is None
+    assert side_file_method({"w_bit": 4, "bits": 4, "group_size": 128, "sym": True}) is None  # both: ambiguous
+    with pytest.raises(ValueError, match=r"quant_method is missing \(config.json's .*quantize_config.json"):
+        parse_quantization_config({"bits": 4, "group_size": 128})

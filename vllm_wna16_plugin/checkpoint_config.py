@@ -692,12 +692,37 @@ def parse_compressed_tensors(cfg: Mapping) -> CheckpointQuantConfig:
 _PARSERS = {"gptq": parse_gptq, "awq": parse_awq, "compressed-tensors": parse_compressed_tensors}
 
 
+# The side files older tools wrote beside config.json, without a `quant_method` (vLLM reads them for a checkpoint
+# whose config.json has no quantization_config): AutoAWQ's quant_config.json, AutoGPTQ's quantize_config.json.
+_AWQ_SIDE_KEYS = frozenset({"zero_point", "q_group_size", "w_bit", "version", "modules_to_not_convert"})
+_GPTQ_SIDE_KEYS = frozenset({"desc_act", "sym", "damp_percent", "true_sequential", "static_groups",
+                             "checkpoint_format", "model_name_or_path", "model_file_base_name"})  # fmt: skip
+
+
+def side_file_method(cfg: Mapping) -> str | None:
+    """The format of a side file written without `quant_method`, from its keys, or None: AutoAWQ's
+    quant_config.json has `w_bit` and only AutoAWQ's keys besides; AutoGPTQ's quantize_config.json `bits` and
+    `group_size` and at least one of AutoGPTQ's own keys (desc_act, sym, damp_percent, ...)."""
+    keys = set(cfg)
+    if "w_bit" in keys and keys <= _AWQ_SIDE_KEYS | {"w_bit"}:
+        return "awq"
+    if {"bits", "group_size"} <= keys and keys & _GPTQ_SIDE_KEYS and not keys & {"w_bit", "q_group_size"}:
+        return "gptq"
+    return None
+
+
 def parse_quantization_config(cfg: Mapping) -> CheckpointQuantConfig:
-    """Dispatch on cfg["quant_method"] (case-insensitive) to parse_gptq/parse_awq/parse_compressed_tensors."""
+    """Dispatch on cfg["quant_method"] (case-insensitive) to parse_gptq/parse_awq/parse_compressed_tensors; a side
+    file without one is read as the format its keys name (side_file_method)."""
     cfg = _check_mapping("", cfg)
     supported = ", ".join(repr(m) for m in _SUPPORTED_METHODS)
+    if "quant_method" not in cfg and (inferred := side_file_method(cfg)) is not None:
+        cfg = {**cfg, "quant_method": inferred}
     if "quant_method" not in cfg:
-        raise _missing("quant_method", supported)
+        raise ValueError(
+            f"quantization_config.quant_method is missing (config.json's quantization_config, or the "
+            f"quantize_config.json / quant_config.json beside it); supported: {supported}"
+        )
     method = cfg["quant_method"]
     key = method.lower().replace("_", "-") if isinstance(method, str) else None
     if key not in _PARSERS:

@@ -64,7 +64,9 @@ def make_config_class():
 
         @staticmethod
         def get_config_filenames() -> list[str]:
-            return ["quantize_config.json"]
+            """Side files vLLM reads when config.json has no quantization_config: AutoGPTQ's and AutoAWQ's (their
+            keys say which, checkpoint_config.side_file_method)."""
+            return ["quantize_config.json", "quant_config.json"]
 
         @classmethod
         def from_config(cls, config: dict[str, Any]) -> MoeWNA16PlusConfig:

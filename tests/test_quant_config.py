@@ -442,3 +442,26 @@ def test_side_file_keys_name_the_format_only_when_they_are_a_tools():
     assert side_file_method({"w_bit": 4, "bits": 4, "group_size": 128, "sym": True}) is None  # both: ambiguous
     with pytest.raises(ValueError, match=r"quant_method is missing \(config.json's .*quantize_config.json"):
         parse_quantization_config({"bits": 4, "group_size": 128})
+
+
+def test_a_compressed_tensors_kv_cache_scheme_runs_as_vllms_own_config_runs_it(vllm_cpu):
+    # before, the scheme was dropped: a bf16 KV cache instead of fp8, and with --kv-cache-dtype fp8 the
+    # checkpoint's k/v scales unread (1.0)
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from vllm_wna16_plugin import _vllm
+
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+          "config_groups": {"g": {"targets": ["Linear"], "input_activations": None, "weights": {
+              "num_bits": 4, "type": "int", "symmetric": True, "dynamic": False, "strategy": "group",
+              "group_size": 128, "actorder": None}}}}  # fmt: skip
+    scheme = {"type": "float", "num_bits": 8, "strategy": "tensor", "dynamic": False, "symmetric": True}
+    attention = object.__new__(_vllm.attention_cls())  # what the method is asked for; its fields are not read
+    plus = get_quantization_config("moe_wna16_plus").from_config({**ct, "kv_cache_scheme": scheme})
+    assert plus.kv_cache_scheme == scheme  # vLLM's attention reads it from the layer's quant config
+    in_tree = get_quantization_config("compressed-tensors").from_config({**ct, "kv_cache_scheme": scheme})
+    method = plus.get_quant_method(attention, "model.layers.0.self_attn.attn")
+    assert type(method) is type(in_tree.get_quant_method(attention, "model.layers.0.self_attn.attn"))
+    assert method.quant_config.kv_cache_scheme == scheme
+    plain = get_quantization_config("moe_wna16_plus").from_config(ct)
+    assert plain.kv_cache_scheme is None and plain.get_quant_method(attention, "model.layers.0.self_attn.attn") is None

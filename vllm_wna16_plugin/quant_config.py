@@ -46,6 +46,10 @@ def make_config_class():
             self._float_modules: set[str] | None = None
             self._stored_dtypes: dict[str, str] = {}  # tensor name (the checkpoint's) -> safetensors dtype
             self._mappers: list = []  # vLLM's renames of checkpoint names (apply_vllm_mapper), in order
+            # compressed-tensors' fp8 KV-cache scheme: vLLM's attention reads it from the layer's quant config
+            # (an fp8 cache by default), and its KV-cache method loads the checkpoint's k/v scales
+            raw = parsed.raw if parsed.quant_method == "compressed-tensors" else {}
+            self.kv_cache_scheme = raw.get("kv_cache_scheme")
 
         def __repr__(self) -> str:
             return f"MoeWNA16PlusConfig({self.parsed.scheme.describe()}, linear={self.parsed.quant_method})"
@@ -250,6 +254,8 @@ def make_config_class():
                 return self._linear_method(layer, prefix)
             if self.parsed.lm_head_quantized and isinstance(layer, _vllm.parallel_lm_head_cls()):
                 return self._lm_head_method(layer, prefix)
+            if self.kv_cache_scheme is not None and isinstance(layer, _vllm.attention_cls()):
+                return self._delegate().get_quant_method(layer, prefix)  # vLLM's compressed-tensors KV-cache method
             return None
 
         def _lm_head_method(self, layer, prefix: str):

@@ -485,6 +485,38 @@ def test_ct_per_group_format_overrides_top_level():
         parse_compressed_tensors(cfg)
 
 
+FP8_ATTENTION = {  # llm-compressor's FP8 W8A8 group, as a mixed recipe writes it beside W4A16 experts
+    "targets": [r"re:.*self_attn\.(q|k|v|o)_proj$"], "format": "float-quantized",
+    "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True},
+}  # fmt: skip
+
+
+def test_ct_a_group_that_is_not_wna16_beside_wna16_experts_keeps_vllms_method_for_its_modules():
+    # refused outright before (format='float-quantized' is not supported), while vLLM's own method loads it
+    from vllm_wna16_plugin.checkpoint_config import ForeignScheme
+
+    cfg = copy.deepcopy(CT_GS128_ASYM)
+    cfg["config_groups"]["attn"] = FP8_ATTENTION
+    parsed = parse_compressed_tensors(cfg)
+    # (a fused qkv_proj: vLLM 0.26 tries the "Linear" class before the shards, 0.34 the shards first; either way
+    # the layer is quantized and runs vLLM's own compressed-tensors method, which resolves it by its own order)
+    o = parsed.scheme_for("model.layers.0.self_attn.o_proj", moe=False)
+    assert isinstance(o, ForeignScheme) and o.group == "attn" and "float-quantized" in o.why
+    assert parsed.scheme_for("model.layers.0.mlp.experts", moe=True) == parsed.scheme  # the int4 experts
+    assert parsed.scheme.bits == 4
+    # the same FP8 group naming the experts: refused by name, with the group's reason
+    cfg["config_groups"]["attn"]["targets"] = [r"re:.*mlp\.experts\..*"]
+    bad = parse_compressed_tensors(cfg)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts: the routed experts are quantized by "
+                                         r"quantization_config\.config_groups\.attn\.format='float-quantized'.*vLLM's own"):  # fmt: skip
+        bad.scheme_for("model.layers.0.mlp.experts", moe=True)
+    # no WNA16 group at all: the checkpoint is not one moe_wna16_plus runs (the group's own refusal)
+    only = {**cfg, "config_groups": {"attn": {**FP8_ATTENTION, "targets": ["Linear"]}}}
+    with pytest.raises(ValueError, match=r"config_groups\.attn\.format='float-quantized' is not supported"):
+        parse_compressed_tensors(only)
+
+
 def test_custom_config_without_rules_uses_scheme_everywhere():
     scheme = _scheme(4, 128, False, PackFormat.GPTQ, src="gptq")
     cfg = CheckpointQuantConfig(scheme=scheme, quant_method="gptq", raw={}, lm_head_quantized=False)

@@ -465,3 +465,24 @@ def test_a_compressed_tensors_kv_cache_scheme_runs_as_vllms_own_config_runs_it(v
     assert method.quant_config.kv_cache_scheme == scheme
     plain = get_quantization_config("moe_wna16_plus").from_config(ct)
     assert plain.kv_cache_scheme is None and plain.get_quant_method(attention, "model.layers.0.self_attn.attn") is None
+
+
+def test_a_mixed_compressed_tensors_checkpoint_runs_its_fp8_linears_on_vllms_method(vllm_cpu):
+    # FP8 W8A8 attention beside W4A16 experts (a mixed llm-compressor recipe): was refused at parse
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from tests.test_checkpoint_config import FP8_ATTENTION
+    from vllm_wna16_plugin import _vllm
+
+    raw = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+           "config_groups": {"experts": {"targets": ["Linear"], "input_activations": None, "weights": {
+               "num_bits": 4, "type": "int", "symmetric": True, "dynamic": False, "strategy": "group",
+               "group_size": 128, "actorder": None}}, "attn": FP8_ATTENTION}}  # fmt: skip
+    plus = get_quantization_config("moe_wna16_plus").from_config(raw)
+    asked = []
+    delegate = plus._delegate()
+    delegate.get_quant_method = lambda layer, prefix: asked.append(prefix) or "in-tree method"
+    linear = object.__new__(_vllm.linear_base_cls())  # what the method is asked for; its fields are not read
+    assert plus.get_quant_method(linear, "model.layers.0.self_attn.o_proj") == "in-tree method"
+    assert asked == ["model.layers.0.self_attn.o_proj"]
+    assert plus.parsed.scheme_for("model.layers.0.mlp.experts", moe=True).bits == 4  # the plugin's experts

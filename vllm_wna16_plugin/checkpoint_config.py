@@ -268,12 +268,25 @@ class _AWQRules(_Rules):
 
 
 @dataclass(frozen=True)
+class ForeignScheme:
+    """A compressed-tensors config group beside the WNA16 ones that is not weight-only int (FP8 attention, W8A8,
+    ...): its linear modules run vLLM's own compressed-tensors method, as they would without the plugin; routed
+    experts it names are refused (scheme_for). `why` is the refusal the group alone gets at parse time."""
+
+    group: str
+    why: str
+
+    def describe(self) -> str:
+        return f"config_groups.{self.group}, not WNA16 (run by vLLM's compressed-tensors method)"
+
+
+@dataclass(frozen=True)
 class _CTTarget:
     """One entry of a compressed-tensors target map: a target of `group` and that group's scheme."""
 
     target: str  # module name, "re:" regex or class name
     group: str  # the config_groups key, for messages
-    scheme: WNA16Scheme
+    scheme: WNA16Scheme | ForeignScheme
 
 
 @dataclass(frozen=True)
@@ -314,7 +327,7 @@ class _CTRules(_Rules):
             return any(self._hit(prefix, t) for t in self.ignore)
         return _agree(prefix, names, [any(self._hit(n, t) for t in self.ignore) for n in names], "ignore status")
 
-    def _unique(self, name: str, value: str, contains: bool = False) -> WNA16Scheme | None:
+    def _unique(self, name: str, value: str, contains: bool = False) -> WNA16Scheme | ForeignScheme | None:
         """The scheme of the targets matching `value` at one precedence level; ValueError when
         targets of groups with different schemes match."""
         hits = [t for t in self.targets if self._hit(value, t.target, contains)]
@@ -327,7 +340,7 @@ class _CTRules(_Rules):
             )
         return hits[0].scheme if hits else None
 
-    def _match(self, name: str, fused: Mapping, module_class: str = "Linear") -> WNA16Scheme | None:
+    def _match(self, name: str, fused: Mapping, module_class: str = "Linear") -> WNA16Scheme | ForeignScheme | None:
         scheme = self._unique(name, name)
         if scheme is None:
             scheme = self._unique(name, module_class, contains=True)
@@ -338,7 +351,7 @@ class _CTRules(_Rules):
                 return per_shard[0]
         return scheme
 
-    def _one(self, name: str, fused: Mapping) -> WNA16Scheme | None:
+    def _one(self, name: str, fused: Mapping) -> WNA16Scheme | ForeignScheme | None:
         return None if self._ignored(name, fused) else self._match(name, fused)
 
     def resolve(self, prefix, fused, moe, lm_head_quantized):
@@ -371,8 +384,9 @@ class CheckpointQuantConfig:
         *,
         fused_mapping: Mapping[str, Sequence[str]] | None = None,
         moe: bool | None = None,
-    ) -> WNA16Scheme | None:
-        """The scheme of the module at this vLLM prefix; None when it stays unquantized.
+    ) -> WNA16Scheme | ForeignScheme | None:
+        """The scheme of the module at this vLLM prefix; None when it stays unquantized; a ForeignScheme (linear
+        modules only: routed experts in one raise) when a compressed-tensors group that is not WNA16 quantizes it.
 
         moe=None treats a prefix whose last part is "experts" as routed experts (probed, as
         vLLM does, through `<prefix>.0.gate_proj/.0.up_proj/.0.down_proj`). fused_mapping is
@@ -382,7 +396,13 @@ class CheckpointQuantConfig:
         fused = DEFAULT_FUSED_MAPPING if fused_mapping is None else fused_mapping
         is_moe = _last(prefix) == "experts" if moe is None else moe
         rules = self.rules if self.rules is not None else _Uniform(self.scheme)
-        return rules.resolve(prefix, fused, is_moe, self.lm_head_quantized)
+        scheme = rules.resolve(prefix, fused, is_moe, self.lm_head_quantized)
+        if is_moe and isinstance(scheme, ForeignScheme):
+            raise ValueError(
+                f"{prefix}: the routed experts are quantized by {scheme.why}. moe_wna16_plus runs weight-only int4/int8 "
+                f"experts only; run this checkpoint with vLLM's own compressed-tensors method"
+            )
+        return scheme
 
     def renamed(self, map_name: Callable[[str], str | None]) -> CheckpointQuantConfig:
         """This config with the module names its rules list (not regexes, not class names) renamed by a model's
@@ -629,6 +649,7 @@ def parse_compressed_tensors(cfg: Mapping) -> CheckpointQuantConfig:
         raise _missing("config_groups", "a non-empty dict of groups with targets and weights")
     groups_cfg = _check_mapping("config_groups", groups_cfg)
     groups: list[tuple[str, tuple[str, ...], WNA16Scheme]] = []
+    foreign: list[tuple[str, tuple[str, ...], ValueError]] = []  # groups that are not WNA16, with why
     for name, group in groups_cfg.items():
         where = f"config_groups.{name}"
         group = _check_mapping(where, group)
@@ -645,25 +666,29 @@ def parse_compressed_tensors(cfg: Mapping) -> CheckpointQuantConfig:
             raise _missing("format", repr(CT_FORMAT))
         if fmt != CT_FORMAT:
             key = f"{where}.format" if group.get("format") else "format"
-            raise _error(key, fmt, "is not supported (only packed int weights are WNA16)", repr(CT_FORMAT))
-        for act in ("input_activations", "output_activations"):
-            if group.get(act) is not None:
-                raise _error(
-                    f"{where}.{act}",
-                    group[act],
-                    "is not supported (activation quantization is not weight-only)",
-                    "null (W4A16 / W8A16)",
-                )
+            foreign.append((name, targets, _error(key, fmt, "is not supported (only packed int weights are WNA16)",
+                                                  repr(CT_FORMAT))))  # fmt: skip
+            continue
+        acts = [act for act in ("input_activations", "output_activations") if group.get(act) is not None]
+        if acts:
+            foreign.append((name, targets, _error(f"{where}.{acts[0]}", group[acts[0]],
+                                                  "is not supported (activation quantization is not weight-only)",
+                                                  "null (W4A16 / W8A16)")))  # fmt: skip
+            continue
         if "weights" not in group or group["weights"] is None:
             raise _missing(f"{where}.weights", "int weights with num_bits 4 or 8")
         groups.append((name, targets, _ct_weights_scheme(f"{where}.weights", group["weights"])))
+    if not groups and foreign:
+        raise foreign[0][2]  # no WNA16 group at all: the checkpoint is not one moe_wna16_plus runs
     if not groups:
         raise ValueError(
             "quantization_config.config_groups has no weight-quantized group; supported: a group "
             "with int weights (pack-quantized)"
         )
     target_map: dict[str, _CTTarget] = {}
-    for group, targets, scheme in groups:
+    # groups that are not WNA16 (FP8 attention beside int4 experts) keep vLLM's own method for their modules
+    mapped = [*groups, *((name, targets, ForeignScheme(name, str(exc))) for name, targets, exc in foreign)]
+    for group, targets, scheme in mapped:
         for t in targets:
             seen = target_map.get(t)
             if seen is not None and seen.scheme != scheme:  # vLLM's dict would keep the later group silently

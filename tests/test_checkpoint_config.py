@@ -497,7 +497,7 @@ def test_ct_a_group_that_is_not_wna16_beside_wna16_experts_keeps_vllms_method_fo
     from vllm_wna16_plugin.checkpoint_config import ForeignScheme
 
     cfg = copy.deepcopy(CT_GS128_ASYM)
-    cfg["config_groups"]["attn"] = FP8_ATTENTION
+    cfg["config_groups"]["attn"] = copy.deepcopy(FP8_ATTENTION)
     parsed = parse_compressed_tensors(cfg)
     # (a fused qkv_proj: vLLM 0.26 tries the "Linear" class before the shards, 0.34 the shards first; either way
     # the layer is quantized and runs vLLM's own compressed-tensors method, which resolves it by its own order)
@@ -906,3 +906,30 @@ def test_effective_group_size_act_order_regroups_like_plain_groups():
 def test_effective_group_size_rejects_bad_k():
     with pytest.raises(ValueError, match=r"layer: K=0 must be a positive int"):
         effective_group_size(GS128, 0, layer="layer")
+
+
+@pytest.mark.parametrize(
+    "rule, shard",
+    [
+        pytest.param({r"+:.*down_proj": {"bits": 8}}, "down_proj", id="down-int8"),
+        pytest.param({r"+:.*down_proj": {"group_size": 64}}, "down_proj", id="down-gs64"),
+        pytest.param({r"+:.*gate_proj": {"sym": False}}, "gate_proj", id="gate-asym"),
+        pytest.param({r"-:.*experts\.\d+\.up_proj": {}}, "up_proj", id="up-unquantized"),
+    ],
+)
+def test_gptq_dynamic_rules_giving_one_expert_projection_its_own_scheme_are_refused(rule, shard):
+    # GPTQModel quantized the projection so; vLLM (and the plugin, as vLLM) read the layer at its own name and
+    # loaded it wrongly: a shape error deep in the loader, or zero points read as symmetric
+    cfg = parse_gptq({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
+                      "dynamic": rule})  # fmt: skip
+    with pytest.raises(ValueError, match=rf"model\.layers\.3\.mlp\.experts: quantization_config\.dynamic rule .* makes "
+                                         rf"the experts' {shard} .*one MoE layer runs one scheme"):  # fmt: skip
+        cfg.scheme_for("model.layers.3.mlp.experts", moe=True)
+    assert cfg.scheme_for("model.layers.3.mlp.down_proj", moe=False) is not None  # a dense MLP's: its own rule
+
+
+def test_gptq_dynamic_rules_matching_the_moe_layer_still_apply():
+    cfg = parse_gptq({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
+                      "dynamic": {r"-:.*layers\.0\..*": {}, r"+:.*mlp\.experts.*": {"bits": 8}}})  # fmt: skip
+    assert cfg.scheme_for("model.layers.3.mlp.experts", moe=True).bits == 8  # prefix and shards: one rule
+    assert cfg.scheme_for("model.layers.0.mlp.experts", moe=True) is None  # skipped whole

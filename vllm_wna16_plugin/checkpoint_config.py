@@ -219,10 +219,33 @@ class _GPTQRules(_Rules):
     quantized_modules: tuple[str, ...]
 
     def _dynamic(self, name: str) -> WNA16Scheme | None:
-        for negative, pattern, scheme in self.dynamic:
+        return self._dynamic_rule(name)[1]
+
+    def _dynamic_rule(self, name: str) -> tuple[int | None, WNA16Scheme | None]:
+        """(index of the first `dynamic` rule matching name, or None; the scheme it gives)."""
+        for i, (negative, pattern, scheme) in enumerate(self.dynamic):
             if pattern.match(name):
-                return None if negative else scheme
-        return self.base
+                return i, None if negative else scheme
+        return None, self.base
+
+    def _check_experts_dynamic(self, prefix: str, names: Sequence[str]) -> None:
+        """GPTQModel applies `dynamic` per module (an expert's down_proj may get its own bits or group), vLLM to a
+        MoE layer by the layer's name: a rule that gives an expert projection another scheme than the layer's
+        would load it wrongly (a shape error, or zero points read as symmetric). Refused by name instead."""
+        rule, scheme = self._dynamic_rule(prefix)
+        for name in names:
+            own_rule, own = self._dynamic_rule(name)
+            if own_rule != rule and own != scheme:
+                pattern = self.dynamic[own_rule][1].pattern if own_rule is not None else None
+                what = "no `dynamic` rule" if pattern is None else f"quantization_config.dynamic rule {pattern!r}"
+                gives = "unquantized" if own is None else own.describe()
+                layer = "unquantized" if scheme is None else scheme.describe()
+                raise ValueError(
+                    f"{prefix}: {what} makes the experts' {name.rsplit('.', 1)[-1]} {gives}, while vLLM reads a MoE "
+                    f"layer's `dynamic` rules at the layer's name ({layer}); one MoE layer runs one scheme for all "
+                    f"its projections. Supported: `dynamic` rules that match the MoE layer's name "
+                    f"('{prefix}') and give its experts one scheme"
+                )
 
     def _listed(self, name: str) -> bool:
         return not self.quantized_modules or any(m in name for m in self.quantized_modules)
@@ -240,6 +263,8 @@ class _GPTQRules(_Rules):
             listed = _agree(prefix, names, [self._listed(n) for n in names], "quantization (listed or not)")
         if not listed:
             return None
+        if moe:
+            self._check_experts_dynamic(prefix, names)
         return self._dynamic(prefix)  # vLLM matches `dynamic` against the (fused) prefix itself
 
 

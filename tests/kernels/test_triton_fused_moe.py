@@ -913,7 +913,7 @@ def test_default_config_is_legal_and_k_tail_is_small(K, gs, M):
         pytest.param(256, 64, 2816, 2048, 6, dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64), id="dsv2-m256"),
         # 64 tokens per expert (Qwen3-30B-A3B at M=1024): 64-row tiles (block_m_rule), as the tuner's
         pytest.param(1024, 128, 1536, 2048, 8, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_K=64), id="qwen3-m1024"),
-        pytest.param(4096, 8, 4096, 4096, 2, dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=128, SPLIT_K=1), id="prefill"),
+        pytest.param(4096, 8, 4096, 4096, 2, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, SPLIT_K=1), id="prefill"),
     ],
 )
 def test_default_config_regimes(M, E, N, K, top_k, want):

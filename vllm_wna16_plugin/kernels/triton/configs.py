@@ -209,13 +209,9 @@ def expected_experts_hit(pairs: int, E: int) -> float:
     return E * (1.0 - (1.0 - 1.0 / E) ** pairs) if E > 1 else 1.0
 
 
-# default_config's tile height (block_m_rule): while an expert gets at most BLOCK_M_REREAD_MAX_MEAN tokens on
-# average its weights' bytes decide, and the tile grows until the expected weight re-reads
-# (expected_block_reads) are within BLOCK_M_MAX_REREAD; beyond that the tile's MMA work does, and the tile is
-# the largest power of two not above the mean (64 to 128 rows).
-BLOCK_M_REREAD_MAX_MEAN = 32.0
+# default_config's tile height (block_m_rule): where an expert gets 16-64 tokens on average, 32-row tiles
+# unless they would read a hit expert's weights more than BLOCK_M_MAX_REREAD times on average (then 64 rows)
 BLOCK_M_MAX_REREAD = 1.1
-TILE_BLOCK_M = (16, 32, 64, 128)
 
 
 def expected_block_reads(M: int, E: int, top_k: int, block_m: int) -> float:
@@ -237,25 +233,26 @@ def expected_block_reads(M: int, E: int, top_k: int, block_m: int) -> float:
 
 
 def block_m_rule(M: int, E: int, top_k: int) -> int:
-    """BLOCK_SIZE_M of default_config's tl.dot tiles for M tokens (GEMV_MAX_PAIRS_PER_EXPERT aside).
+    """BLOCK_SIZE_M of default_config's tl.dot tiles for M tokens (the GEMV regime aside), by mean = pairs /
+    experts hit: 16 rows up to a mean of 16; 32 up to 64 unless 32-row tiles would read a hit expert's weights
+    more than BLOCK_M_MAX_REREAD times (expected_block_reads), then 64; 64 beyond.
 
-    mean = pairs / experts hit. mean <= BLOCK_M_REREAD_MAX_MEAN: the smallest of 16 / 32 / 64 rows whose
-    expected_block_reads <= BLOCK_M_MAX_REREAD (an expert whose pairs overflow a tile has its weights read
-    again by the next); above it min(128, max(64, 2**floor(log2(mean)))). Fitted on the H200 tuner's 72
-    tl.dot entries of the five bench shapes (configs/*.json, M 16-8192; bench/results/h200/2026-12-03-*):
-    it picks the tuned height on all 72, where the former thresholds on the mean (16 rows up to a mean of
-    16 tokens, 32 up to 64, else 64) picked it on 32: the tuner took 32 rows at a mean of 16 (Mixtral M=64,
-    E=128 M=256, where 16-row tiles read each expert 1.43 times), 64 at a mean of 32-64 and 128 from a mean
-    of 128 (prefill). Not yet timed on shapes it was not fitted on (the validation set, issue 22).
+    The re-read test is the one change to the former thresholds (16 / 32 / 64 rows by the mean alone). Timed on
+    the validation set it was not fitted on (H100, vLLM 0.34, Triton 3.6; bench/results/h100/2026-12-05-
+    332769e-bm.md, plugin-triton-auto against the former heuristic's tables): 64-row tiles at means of 32-64
+    took 0.82-0.95x the 32-row tiles' layer time on all 8 such points (Mixtral-8x22B, DeepSeek-V3, Qwen2-57B,
+    Llama-4-Scout, ERNIE-4.5 at TP 4, M 128-1024). Two further changes timed in the same run lost and are not
+    made: 32-row tiles from a mean of ~12.5 (granite at M=64: 1.56x) and 128-row tiles from a mean of 128
+    (prefill, 1.08-1.27x on six shapes), although the H200 tuner took 128 rows there (tuned before the swapped
+    tile, configs.swap_takes_wgmma, ran every 64+-row tile swapped).
     """
     pairs = max(1, M * top_k)
     mean = pairs / expected_experts_hit(pairs, E)
-    if mean <= BLOCK_M_REREAD_MAX_MEAN:
-        for bm in TILE_BLOCK_M[:3]:
-            if expected_block_reads(M, E, top_k, bm) <= BLOCK_M_MAX_REREAD:
-                return bm
-        return TILE_BLOCK_M[2]
-    return min(128, max(64, 1 << int(math.floor(math.log2(mean)))))
+    if mean <= 16:
+        return 16
+    if mean <= 64 and expected_block_reads(M, E, top_k, 32) <= BLOCK_M_MAX_REREAD:
+        return 32
+    return 64
 
 
 @functools.lru_cache(maxsize=4096)
@@ -270,7 +267,7 @@ def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, 
                  without tl.dot.
       small M    (mean <= 16) K 256, N 128 tiles, 4 warps, 4 stages.
       larger M   (mean <= 64) K 64, N 64 tiles, grouped ordering.
-      prefill    K 64, N 128 tiles, 3 stages, 8 warps for 128 rows.
+      prefill    K 64, N 128 tiles, 8 warps, 3 stages.
     BLOCK_SIZE_M of the tl.dot regimes is block_m_rule's. BLOCK_SIZE_N shrinks from 128 (64 per pair)
     until the grid has >= 2 programs per SM; if it is still short and K has >= 8 tiles, SPLIT_K (2 or 4)
     fills it.
@@ -291,7 +288,7 @@ def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, 
             # the former 32x128x128 took 1.7-2.5x as long there (bench/results/h200/2026-12-03-15324db-*)
             bk_wish, group_m, warps, stages, bn = 64, 8, 4, 4, 64
         else:
-            bk_wish, group_m, warps, stages, bn = 64, 8, 8 if bm >= 128 else 4, 3, 128
+            bk_wish, group_m, warps, stages, bn = 64, 8, 8, 3, 128
         m_blocks = hit * expected_block_reads(M, E, top_k, bm)
     m_blocks = max(1, int(m_blocks))
     while bn > 32 and m_blocks * -(-N // bn) < MIN_PROGRAMS:

@@ -250,3 +250,12 @@ def test_zero_sized_hidden_and_intermediate_are_named():
         _call(p, "reference", x=p.x[:, :0])
     with pytest.raises(ValueError, match=r"w13_qweight has 0 rows: the intermediate size I must be positive"):
         _call(p, "reference", w13_qweight=p.w13.qweight[:, :0])
+
+
+def test_zero_local_experts_are_named_on_every_backend():
+    # triton died in its config math (ZeroDivisionError), reference returned zeros: now one clear error
+    p = _problem(2, seed=15)
+    cut = {k: getattr(p.w13, k)[:0] for k in ("qweight", "scales")}
+    for backend in ("reference", "triton"):
+        with pytest.raises(ValueError, match=r"w13_qweight holds 0 experts: a rank needs at least one local expert"):
+            _call(p, backend, w13_qweight=cut["qweight"], w13_scales=cut["scales"])

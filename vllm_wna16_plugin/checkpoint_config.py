@@ -743,7 +743,8 @@ _PARSERS = {"gptq": parse_gptq, "awq": parse_awq, "compressed-tensors": parse_co
 
 
 # The side files older tools wrote beside config.json, without a `quant_method` (vLLM reads them for a checkpoint
-# whose config.json has no quantization_config): AutoAWQ's quant_config.json, AutoGPTQ's quantize_config.json.
+# whose config.json has no quantization_config): AutoGPTQ's quantize_config.json, AutoAWQ's quant_config.json.
+SIDE_FILES = ("quantize_config.json", "quant_config.json")
 _AWQ_SIDE_KEYS = frozenset({"zero_point", "q_group_size", "w_bit", "version", "modules_to_not_convert"})
 _GPTQ_SIDE_KEYS = frozenset({"desc_act", "sym", "damp_percent", "true_sequential", "static_groups",
                              "checkpoint_format", "model_name_or_path", "model_file_base_name"})  # fmt: skip

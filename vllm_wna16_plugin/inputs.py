@@ -117,6 +117,8 @@ def check_layer_tensors(
     if not isinstance(w13_qweight, torch.Tensor) or w13_qweight.dim() != 3:
         raise ValueError("w13_qweight must be a (E, 2I, H*bits/8) uint8 tensor")
     e, two_i, _ = _shape(w13_qweight)
+    if e == 0:
+        raise ValueError("w13_qweight holds 0 experts: a rank needs at least one local expert (E >= 1)")
     if two_i % 2:
         raise ValueError(f"w13_qweight has {two_i} rows; it must have 2I (gate rows, then up rows): an even number")
     inter = two_i // 2

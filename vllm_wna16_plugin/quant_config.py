@@ -16,6 +16,7 @@ import torch
 from vllm_wna16_plugin import _vllm
 from vllm_wna16_plugin.checkpoint_config import (
     DEFAULT_FUSED_MAPPING,
+    SIDE_FILES,
     CheckpointQuantConfig,
     parse_quantization_config,
 )
@@ -70,7 +71,7 @@ def make_config_class():
         def get_config_filenames() -> list[str]:
             """Side files vLLM reads when config.json has no quantization_config: AutoGPTQ's and AutoAWQ's (their
             keys say which, checkpoint_config.side_file_method)."""
-            return ["quantize_config.json", "quant_config.json"]
+            return list(SIDE_FILES)
 
         @classmethod
         def from_config(cls, config: dict[str, Any]) -> MoeWNA16PlusConfig:

@@ -197,6 +197,16 @@ def test_group_size_reason_matches_the_tiles_check_shape_accepts(gs, K, ok):
     assert (group_size_reason("w2", gs, K) is None) == ok == bool(legal)
 
 
+@pytest.mark.parametrize("gs", [1, 2, 4])
+def test_groups_below_eight_columns_are_refused_though_a_tile_holds_them(gs):
+    # powers of two, so check_shape takes them; the GEMV's int4 group fold cannot shape them (interpreter /
+    # compile error at the first decode, found by a CPU sweep)
+    from vllm_wna16_plugin.kernels.triton.configs import group_size_reason
+
+    assert _legal(TritonMoEConfig(16, 64, 16), 64, gs)
+    assert "is below 8" in group_size_reason("w13", gs, 64)
+
+
 def _legal(cfg: TritonMoEConfig, K: int, gs: int) -> bool:
     try:
         cfg.check_shape(K, gs)

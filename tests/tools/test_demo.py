@@ -188,3 +188,19 @@ def test_device_key_on_cpu():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert device_key() == "cpu"
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--prompt", " "], "argument --prompt: an empty prompt has no tokens"),  # was an IndexError traceback
+        (["--max-tokens", "0"], "argument --max-tokens: 0 must be at least 1"),
+        (["--gpu-memory-utilization", "5"], "argument --gpu-memory-utilization: 5.0 must be in (0, 1]"),
+    ],
+)
+def test_demo_flags_out_of_range_are_usage_errors(flags, message, capsys):
+    from vllm_wna16_plugin.tools.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *flags])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

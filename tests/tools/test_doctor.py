@@ -450,3 +450,28 @@ def test_doctor_plans_gptq_experts_the_file_stores_quantized_whatever_the_listin
         shutil.copy(four_layers / "model.safetensors", path / "model.safetensors")
     text = plan(path, launch_configs=False)
     assert "layers 0-3: gptq int4 group 32 symmetric" in text, text
+
+
+@pytest.mark.parametrize(
+    "fmt, side_name, side",
+    [
+        ("awq", "quant_config.json", {"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}),
+        ("gptq", "quantize_config.json", {"bits": 4, "group_size": 32, "desc_act": False, "sym": True}),
+    ],
+)
+def test_doctor_reads_the_side_file_loading_reads(tmp_path, fmt, side_name, side):
+    # loading takes a checkpoint whose config lives beside config.json (quant_config.get_config_filenames);
+    # doctor (and demo --checkpoint, tune) said "not a quantized checkpoint"
+    from vllm_wna16_plugin.tools.doctor import resolve_checkpoint
+
+    path = make_checkpoint(tmp_path / "ck", fmt=fmt, bits=4, group_size=32, sym=fmt == "gptq", hidden=128,
+                           intermediate=64, experts=4, top_k=2, layers=1)  # fmt: skip
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"has no quantization_config and no quantize_config.json or quant_config"):
+        resolve_checkpoint(path)
+    (path / side_name).write_text(json.dumps(side))
+    resolved = resolve_checkpoint(path)
+    assert resolved.parsed.quant_method == fmt and resolved.groups[0].scheme.group_size == 32
+    assert main(["doctor", str(path)]) == 0

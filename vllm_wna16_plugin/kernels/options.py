@@ -204,13 +204,30 @@ class KernelOptions:
         ):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
+        for name, value in (
+            ("cuda_stream", self.cuda_stream),
+            ("own_align", self.own_align),
+            ("programmatic_launch", self.programmatic_launch),
+        ):
+            if value is not True and value is not False:  # "no" / "off" are truthy: never read one as True
+                raise ValueError(f"{name}={value!r} must be True or False")
+        for name, value in (
+            ("cuda_max_block_m", self.cuda_max_block_m),
+            ("cuda_ctas_per_sm", self.cuda_ctas_per_sm),
+            ("cuda_min_warp_steps", self.cuda_min_warp_steps),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r} must be an int, not {type(value).__name__}")
         if self.cuda_max_block_m not in (1, 2, 4, 8, 16):
-            raise ValueError(f"cuda_max_block_m={self.cuda_max_block_m} must be one of 1, 2, 4, 8, 16")
+            raise ValueError(f"cuda_max_block_m={self.cuda_max_block_m!r} must be one of 1, 2, 4, 8, 16")
         if self.cuda_ctas_per_sm < 1 or self.cuda_min_warp_steps < 0:
             raise ValueError(
                 f"cuda_ctas_per_sm={self.cuda_ctas_per_sm} must be >= 1 and "
                 f"cuda_min_warp_steps={self.cuda_min_warp_steps} >= 0"
             )
+        per_warp = self.cuda_stream_min_pairs_per_warp
+        if isinstance(per_warp, bool) or not isinstance(per_warp, (int, float)) or not per_warp >= 0:
+            raise ValueError(f"cuda_stream_min_pairs_per_warp={per_warp!r} must be a number >= 0")  # NaN fails >=
 
 
 DEFAULT_OPTIONS = KernelOptions()

@@ -34,7 +34,7 @@ import torch
 
 from vllm_wna16_plugin.backends import registry
 from vllm_wna16_plugin.oracle import ENV_BACKEND, select_backend
-from vllm_wna16_plugin.tools.doctor import DEVICES, layer_problem, plan
+from vllm_wna16_plugin.tools.doctor import DEVICES, layer_problem, plan, quantization_config_of
 from vllm_wna16_plugin.tools.make_checkpoint import (
     ARCH_SPECS,
     FORMATS,
@@ -119,7 +119,7 @@ def run_moe_layers_on_cpu(path: str | Path, prompts: list[str]) -> Iterator[Laye
     register()
     spec = load_spec(path)
     arch = ARCH_SPECS[spec.arch]
-    raw = load_config(path)["quantization_config"]
+    raw = quantization_config_of(path)
     reference = load_reference(path)
     x = _embedded_prompts(path, prompts)
     gate, up, down = arch.gate_up_down
@@ -193,13 +193,42 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--backend", choices=("auto", *registry()), default="auto",
                    help=f"MoE backend; sets {ENV_BACKEND} for this run (default auto)")  # fmt: skip
-    p.add_argument("--prompt", action="append", dest="prompts", help="a prompt (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prompt", action="append", dest="prompts", type=_prompt, help="a prompt (repeatable)")
+    p.add_argument("--max-tokens", type=_positive, default=16, help="tokens generated per prompt (GPU run)")
     p.add_argument("--cpu", action="store_true", help="the CPU path even when a GPU is present")
     gpu = p.add_argument_group("GPU run")
     gpu.add_argument("--attention-backend", default=None, help="vLLM attention backend, e.g. TRITON_ATTN")
     gpu.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    gpu.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    gpu.add_argument("--gpu-memory-utilization", type=_fraction, default=0.3, help="in (0, 1] (default 0.3)")
+
+
+def _prompt(text: str) -> str:
+    """argparse type: a prompt with at least one non-space character (the demo embeds its tokens)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty prompt has no tokens to run the layers on; give some text")
+    return text
+
+
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """argparse type: a float in (0, 1], vLLM's gpu_memory_utilization."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]: the share of GPU memory vLLM may use")
+    return value
 
 
 def check_backend(path: Path, device: str, backend: str) -> None:

@@ -27,6 +27,7 @@ from vllm_wna16_plugin.backends.base import act_order_split_issue, random_act_or
 from vllm_wna16_plugin.block_config import LEGAL_K_RATIOS, choose_cuda_block_config, cuda_group_size
 from vllm_wna16_plugin.checkpoint_config import (
     MAX_SUGGESTED_TP,
+    SIDE_FILES,
     CheckpointQuantConfig,
     effective_group_size,
     parse_quantization_config,
@@ -335,6 +336,26 @@ def _read_config(model_dir: str | Path) -> dict:
     return cfg
 
 
+def quantization_config_of(model_dir: str | Path, cfg: dict | None = None) -> dict:
+    """The checkpoint's quantization config as vLLM finds it: config.json's quantization_config (or
+    compression_config), else a side file beside it (checkpoint_config.SIDE_FILES: AutoGPTQ's, AutoAWQ's)."""
+    cfg = _read_config(model_dir) if cfg is None else cfg
+    quant = cfg.get("quantization_config") or cfg.get("compression_config")
+    if quant is not None:
+        return quant
+    for name in SIDE_FILES:
+        side = Path(model_dir) / name
+        if side.is_file():
+            try:
+                return json.loads(side.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ValueError(f"{side} is not valid JSON ({exc}); supported: the quantization config as "
+                                 "the tool wrote it") from None  # fmt: skip
+    raise ValueError(f"{model_dir}/config.json has no quantization_config and no {' or '.join(SIDE_FILES)} lies "
+                     "beside it: not a quantized checkpoint; supported: GPTQ, AWQ or compressed-tensors "
+                     "pack-quantized checkpoints")  # fmt: skip
+
+
 def _group_sizes(scheme: WNA16Scheme, dims: MoEDims, tp: int, layer: str) -> tuple[int, int]:
     """(w13, w2) effective group sizes on one rank: the same calls loading makes (moe_method.create_weights)."""
     gs13 = effective_group_size(scheme, dims.hidden, layer=f"{layer} (gate/up, K=hidden)")
@@ -376,11 +397,7 @@ def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90")
     naming the field or flag, its value and what works)."""
     _check_args(tp, device)
     cfg = _read_config(model_dir)
-    quant = cfg.get("quantization_config") or cfg.get("compression_config")
-    if quant is None:
-        raise ValueError(f"{model_dir}/config.json has no quantization_config: not a quantized checkpoint; "
-                         "supported: GPTQ, AWQ or compressed-tensors pack-quantized checkpoints")  # fmt: skip
-    parsed = parse_quantization_config(quant)
+    parsed = parse_quantization_config(quantization_config_of(model_dir, cfg))
     dims = moe_dims(cfg)
     prefixes, naming = moe_layer_prefixes(cfg, dims)
     groups = moe_schemes(parsed, prefixes, stored_tensor_names(model_dir))

@@ -164,14 +164,25 @@ def load_tuned_configs(
 
 
 TILE_BLOCK_K = (256, 128, 64, 32, 16)  # the K tiles a config may have (tl.dot needs K >= 16; powers of two)
+# Groups below 8 columns: the per-pair GEMV's group fold (dequant._group_fold) reshapes int4 nibble halves into
+# groups of group_size / 2 columns, which Triton cannot shape below 4 (found at group sizes 1, 2, 4: an
+# interpreter / compile error at the first decode)
+MIN_GROUP_SIZE = 8
 
 
 def group_size_reason(gemm: str, group_size: int, K: int) -> str | None:
     """Why no K tile of the Triton kernel serves this GEMM's scale groups (None: one does). A tile must hold
     whole groups or lie inside one (check_shape), so a group size needs to be a power of two or a multiple of
-    16; channel-wise (group_size -1 or K) takes any tile. A checkpoint's group 24 or 48 regrouped to 24 on a
+    16, and at least MIN_GROUP_SIZE; channel-wise (group_size -1 or K) takes any tile. A checkpoint's group 24 or 48 regrouped to 24 on a
     tensor-parallel rank would otherwise load and fail at its first forward."""
-    if group_size in (-1, K) or any(bk % group_size == 0 or group_size % bk == 0 for bk in TILE_BLOCK_K):
+    if group_size in (-1, K):
+        return None
+    if group_size < MIN_GROUP_SIZE:
+        return (
+            f"{gemm} group size {group_size} (K={K}) is below {MIN_GROUP_SIZE}: the kernel's per-group folds "
+            f"need groups of at least {MIN_GROUP_SIZE} columns"
+        )
+    if any(bk % group_size == 0 or group_size % bk == 0 for bk in TILE_BLOCK_K):
         return None
     return (
         f"{gemm} group size {group_size} (K={K}) is neither a power of two nor a multiple of 16: no K tile of the "

@@ -41,6 +41,7 @@ EXPERT_SHARDS = ("0.gate_proj", "0.up_proj", "0.down_proj")
 # Effective group sizes below this are refused by effective_group_size().
 MIN_REGROUPED_GROUP_SIZE = 16
 MAX_SUGGESTED_TP = 16
+MAX_LAYERS = 4096  # num_hidden_layers above this is refused (doctor resolves every layer's scheme)
 
 _SUPPORTED_BITS_TEXT = ", ".join(str(b) for b in SUPPORTED_BITS)
 _SUPPORTED_METHODS = ("gptq", "awq", "compressed-tensors")

@@ -606,3 +606,31 @@ def test_act_order_gives_gate_and_up_of_an_expert_one_order(tmp_path):
         assert torch.equal(g[f"{e}.gate_proj.g_idx"], g[f"{e}.up_proj.g_idx"])
         assert not torch.equal(g[f"{e}.gate_proj.g_idx"].long(), trivial)
     assert not torch.equal(g["0.gate_proj.g_idx"], g["1.gate_proj.g_idx"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        # an out-of-memory traceback before
+        (dict(vocab_size=10**12), r"would write about .* GiB .*over make-checkpoint.s 8 GiB"),
+        (dict(experts=100_000), r"experts=100000, .*would write about"),
+        (dict(layers=10**8), r"layers=100000000: at most 4096 layers"),  # ran for minutes
+    ],
+)
+def test_sizes_beyond_a_test_checkpoint_are_refused_before_writing(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mc.make_checkpoint(tmp_path / "ck", fmt="gptq", **kwargs)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_failed_write_leaves_no_new_directory(tmp_path, monkeypatch):
+    from vllm_wna16_plugin.tools import make_checkpoint as mk
+    from vllm_wna16_plugin.tools.cli import main
+
+    def fail(out, spec):
+        Path(out).mkdir(parents=True)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mk, "write_checkpoint", fail)
+    assert main(["make-checkpoint", str(tmp_path / "new"), "--format", "gptq"]) == 2  # reported, not raised
+    assert not (tmp_path / "new").exists()

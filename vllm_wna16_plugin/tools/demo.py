@@ -270,7 +270,12 @@ def run_demo(args: argparse.Namespace) -> int:
         path = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="wna16-demo-"))
         temporary = None if args.out else path
         print(flush=True)  # the plan before make-checkpoint's progress lines (stderr)
-        write_checkpoint(path, spec)
+        try:
+            write_checkpoint(path, spec)
+        except BaseException:
+            if temporary is not None:  # a failed write leaves nothing behind
+                shutil.rmtree(temporary, ignore_errors=True)
+            raise
     if args.backend != "auto":
         os.environ[ENV_BACKEND] = args.backend  # read by the oracle, in the engine's processes too
     try:

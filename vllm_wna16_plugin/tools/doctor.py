@@ -26,6 +26,7 @@ from vllm_wna16_plugin.backends import MoEProblem, RunOptions
 from vllm_wna16_plugin.backends.base import act_order_split_issue, random_act_order_padding
 from vllm_wna16_plugin.block_config import LEGAL_K_RATIOS, choose_cuda_block_config, cuda_group_size
 from vllm_wna16_plugin.checkpoint_config import (
+    MAX_LAYERS,
     MAX_SUGGESTED_TP,
     SIDE_FILES,
     CheckpointQuantConfig,
@@ -43,9 +44,6 @@ from vllm_wna16_plugin.scheme import WNA16Scheme, not_an_int, type_name
 # --device: what each name is planned as (sm90 is the H200 whose tuned configs and crossovers ship)
 DEVICES = PLAN_DEVICES
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-
-
-MAX_LAYERS = 4096  # num_hidden_layers above this is refused (doctor resolves every layer's scheme)
 
 
 def _field(where: str, key: str) -> str:

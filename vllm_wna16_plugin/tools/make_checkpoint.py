@@ -43,12 +43,14 @@ import errno
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import InitVar, asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from vllm_wna16_plugin.checkpoint_config import MAX_LAYERS
 from vllm_wna16_plugin.packing import QuantizedWeight, dequantize, pack_awq, pack_gptq, quantize_rtn
 from vllm_wna16_plugin.tools import tiny_tokenizer
 
@@ -183,6 +185,23 @@ class CheckpointSpec:
         tok_vocab = tiny_tokenizer.tiny_vocab_size()
         if self.vocab_size is not None and self.vocab_size < tok_vocab:
             raise ValueError(f"{arg('vocab_size')} is smaller than the tokenizer's {tok_vocab} tokens")
+        if self.layers > MAX_LAYERS:
+            raise ValueError(f"{arg('layers')}: at most {MAX_LAYERS} layers (doctor's bound)")
+        if (size := self.written_bytes) > MAX_WRITTEN_BYTES:
+            raise ValueError(
+                f"{arg('experts')}, {arg('hidden')}, {arg('intermediate')}, {arg('layers')} and "
+                f"{name('vocab_size')} {self.resolved_vocab_size} would write about {size / 2**30:.1f} GiB (the float32 "
+                f"reference of the experts included), over make-checkpoint's {MAX_WRITTEN_BYTES >> 30} GiB: it "
+                f"writes small test checkpoints; use smaller sizes"
+            )
+
+    @property
+    def written_bytes(self) -> int:
+        """About what writing holds and writes: the experts' float32 reference (their packed weights are a
+        fraction of it), the attention's and the embedding / lm_head in bf16."""
+        experts = self.layers * self.experts * 3 * self.hidden * self.intermediate * 4
+        attention = self.layers * 4 * self.hidden * self.hidden * 2
+        return experts + attention + 2 * self.resolved_vocab_size * self.hidden * 2
 
     @property
     def head_dim(self) -> int:
@@ -492,6 +511,7 @@ def _round_scales(qw: QuantizedWeight, dtype: torch.dtype) -> QuantizedWeight:
 # ---------------------------------------------------------------- config.json
 
 _MAX_POSITIONS = 4096
+MAX_WRITTEN_BYTES = 8 << 30  # a test checkpoint; a typo'd size would otherwise fill the memory, then fail
 _ROPE_THETA = 1_000_000.0
 
 
@@ -691,7 +711,13 @@ def run_make_checkpoint(args: argparse.Namespace) -> int:
     Invalid flags and I/O errors raise (ValueError naming the flag, OSError); cli.main reports them."""
     spec = spec_from_args(args)
     check_out_dir(args.out, args.force)
-    print(write_checkpoint(args.out, spec))
+    created = not Path(args.out).exists()
+    try:
+        print(write_checkpoint(args.out, spec))
+    except BaseException:
+        if created:  # a failed write leaves no half-written directory behind
+            shutil.rmtree(args.out, ignore_errors=True)
+        raise
     return 0
 
 

@@ -209,26 +209,25 @@ def _prompt(text: str) -> str:
     return text
 
 
-def _positive(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+def _bounded(convert, what: str, ok, bound: str):
+    """An argparse type: `convert(text)` (else "is not {what}") for which `ok(value)` holds (else "{bound}")."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{value} {bound}")
+        return value
+
+    return parse
 
 
-def _fraction(text: str) -> float:
-    """argparse type: a float in (0, 1], vLLM's gpu_memory_utilization."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{value} must be in (0, 1]: the share of GPU memory vLLM may use")
-    return value
+_positive = _bounded(int, "an integer", lambda v: v >= 1, "must be at least 1")
+_fraction = _bounded(
+    float, "a number", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]: the share of GPU memory vLLM may use"
+)
 
 
 def check_backend(path: Path, device: str, backend: str) -> None:

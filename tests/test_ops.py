@@ -34,3 +34,11 @@ def test_gpu_backends_refuse_on_cpu_before_any_launch(backend):
     p = make_moe_problem(M=2, H=128, I=64, E=4, top_k=2, bits=4, gs1=32, seed=42)
     with pytest.raises(ValueError, match=rf"backend '{backend}' \(backend=\) cannot run .*needs an NVIDIA GPU"):
         fused_moe_wna16(*p.args(), **p.kwargs(), group_size=32, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_router_weight_on_the_input_needs_top_k_one_on_every_backend(backend):
+    # triton and reference computed something for top_k=2 that vLLM does not define; cuda refused: now one answer
+    p = make_moe_problem(M=2, H=128, I=64, E=4, top_k=2, bits=4, gs1=32, seed=43)
+    with pytest.raises(ValueError, match=r"apply_router_weight_on_input=True with top_k=2: vLLM defines it for top_k"):
+        fused_moe_wna16(*p.args(), **p.kwargs(), group_size=32, backend=backend, apply_router_weight_on_input=True)

@@ -115,6 +115,12 @@ def fused_moe_wna16(
         apply_router_weight_on_input=apply_router_weight_on_input, global_num_experts=global_num_experts,
         topk_weights=topk_weights, w13_qzeros=w13_qzeros, w2_qzeros=w2_qzeros, expert_map=expert_map,
     )  # fmt: skip
+    if apply_router_weight_on_input and problem.top_k != 1:  # the layer path: vLLM's router never asks for it
+        raise ValueError(
+            f"apply_router_weight_on_input=True with top_k={problem.top_k}: vLLM defines it for top_k == 1 (the one "
+            f"routing weight scales the token's input) and its own MoE path refuses other top_k, as the plugin's "
+            f"cuda backend does; pass top_k == 1 or apply the weights after the experts"
+        )
     check_weights_contiguous(
         w13_qweight=w13_qweight, w2_qweight=w2_qweight, w13_scales=w13_scales, w2_scales=w2_scales,
         w13_qzeros=w13_qzeros, w2_qzeros=w2_qzeros,

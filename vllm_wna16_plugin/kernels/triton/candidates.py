@@ -132,10 +132,10 @@ def stage_b(
 
 
 def swap_worth_timing(cfg: TritonMoEConfig) -> bool:
-    """The swapped tile (TritonMoEConfig.swap_ab) is timed where it can reach wgmma (a tl.dot tile of 16-64
+    """The swapped tile (TritonMoEConfig.swap_ab) is timed where it can reach wgmma (a tl.dot tile of >= 16
     token rows, the MMA's N, and >= 64 weight rows, its M: one warpgroup's 64 per m64 instruction) and the
-    rule (configs.swap_takes_wgmma) does not already swap it: nowhere today, as the rule covers that range."""
-    return not cfg.swap_ab and 16 <= cfg.BLOCK_SIZE_M <= 64 and cfg.BLOCK_SIZE_N >= 64 and not swap_takes_wgmma(cfg)
+    rule (configs.swap_takes_wgmma) does not already swap it: the 128-row tiles, never timed swapped."""
+    return not cfg.swap_ab and cfg.BLOCK_SIZE_M >= 16 and cfg.BLOCK_SIZE_N >= 64 and not swap_takes_wgmma(cfg)
 
 
 __all__ = [

@@ -254,8 +254,9 @@ def block_m_rule(M: int, E: int, top_k: int) -> int:
     took 0.82-0.95x the 32-row tiles' layer time on all 8 such points (Mixtral-8x22B, DeepSeek-V3, Qwen2-57B,
     Llama-4-Scout, ERNIE-4.5 at TP 4, M 128-1024). Two further changes timed in the same run lost and are not
     made: 32-row tiles from a mean of ~12.5 (granite at M=64: 1.56x) and 128-row tiles from a mean of 128
-    (prefill, 1.08-1.27x on six shapes), although the H200 tuner took 128 rows there (tuned before the swapped
-    tile, configs.swap_takes_wgmma, ran every 64+-row tile swapped).
+    (prefill, 1.08-1.27x on six shapes), although the H200 tuner took 128 rows there. That run swapped its
+    128-row tiles (the swap rule then took every tile of >= 16 rows); the tuner's were plain, and since
+    swap_takes_wgmma keeps 128-row tiles plain, 128 plain rows at prefill on untuned shapes are not yet judged.
     """
     pairs = max(1, M * top_k)
     mean = pairs / expected_experts_hit(pairs, E)
@@ -373,8 +374,10 @@ def swap_takes_wgmma(config: TritonMoEConfig) -> bool:
     (its M: sm90's wgmma takes 64 rows per warpgroup). Fitted on Qwen3-30B-A3B and Mixtral-8x7B, checked on
     Qwen3.5-35B-A3B, DeepSeek-V2-Lite, the channel-wise and K=1344 shapes (H100, vLLM 0.34, Triton 3.6,
     bench/results/h100/2026-12-05-adcda24-swapfused*.md): swapped tiles of 64-128 weight rows took 0.84-1.02x
-    the plain tile's time at M 4-1024 (0.84-0.91x at M >= 256); 32-row ones 1.12-1.22x (K=1344, M 2-32)."""
-    return not config.per_pair and config.BLOCK_SIZE_M >= 16 and config.BLOCK_SIZE_N >= 64
+    the plain tile's time at M 4-1024 (0.84-0.91x at M >= 256); 32-row ones 1.12-1.22x (K=1344, M 2-32). Those
+    runs' tiles had 16-64 token rows: tiles of 128 (the H200 tuner's prefill entries, tuned plain) were never
+    timed swapped and stay plain (the tuners time both: candidates.swap_worth_timing)."""
+    return not config.per_pair and 16 <= config.BLOCK_SIZE_M <= 64 and config.BLOCK_SIZE_N >= 64
 
 
 def swap_form(config: TritonMoEConfig, options) -> TritonMoEConfig:

@@ -923,7 +923,7 @@ def test_gptq_dynamic_rules_giving_one_expert_projection_its_own_scheme_are_refu
     cfg = parse_gptq({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
                       "dynamic": rule})  # fmt: skip
     with pytest.raises(ValueError, match=rf"model\.layers\.3\.mlp\.experts: quantization_config\.dynamic rule .* makes "
-                                         rf"the experts' {shard} .*one MoE layer runs one scheme"):  # fmt: skip
+                                         rf"the experts' {shard} .*does not match the MoE layer's own name"):  # fmt: skip
         cfg.scheme_for("model.layers.3.mlp.experts", moe=True)
     assert cfg.scheme_for("model.layers.3.mlp.down_proj", moe=False) is not None  # a dense MLP's: its own rule
 
@@ -933,3 +933,9 @@ def test_gptq_dynamic_rules_matching_the_moe_layer_still_apply():
                       "dynamic": {r"-:.*layers\.0\..*": {}, r"+:.*mlp\.experts.*": {"bits": 8}}})  # fmt: skip
     assert cfg.scheme_for("model.layers.3.mlp.experts", moe=True).bits == 8  # prefix and shards: one rule
     assert cfg.scheme_for("model.layers.0.mlp.experts", moe=True) is None  # skipped whole
+    # rules for the layer's name alone, as vLLM reads them (its get_dynamic_override at the layer prefix)
+    for rules, want in (({r"-:.*mlp\.experts$": {}}, None), ({r"+:.*mlp\.experts$": {"bits": 8}}, 8)):
+        cfg = parse_gptq({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
+                          "dynamic": rules})  # fmt: skip
+        got = cfg.scheme_for("model.layers.3.mlp.experts", moe=True)
+        assert (got if got is None else got.bits) == want, rules

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -465,6 +467,13 @@ def test_a_compressed_tensors_kv_cache_scheme_runs_as_vllms_own_config_runs_it(v
     assert method.quant_config.kv_cache_scheme == scheme
     plain = get_quantization_config("moe_wna16_plus").from_config(ct)
     assert plain.kv_cache_scheme is None and plain.get_quant_method(attention, "model.layers.0.self_attn.attn") is None
+    # act-order experts (which vLLM's own compressed-tensors config refuses from 0.30, while the plugin runs
+    # them): the KV-cache method still comes, built on the plugin's config
+    ao = copy.deepcopy(ct)
+    ao["config_groups"]["g"]["weights"]["actorder"] = "group"
+    ao_plus = get_quantization_config("moe_wna16_plus").from_config({**ao, "kv_cache_scheme": scheme})
+    ao_method = ao_plus.get_quant_method(attention, "model.layers.0.self_attn.attn")
+    assert type(ao_method) is type(method) and ao_method.quant_config.kv_cache_scheme == scheme
 
 
 def test_a_mixed_compressed_tensors_checkpoint_runs_its_fp8_linears_on_vllms_method(vllm_cpu):

@@ -21,7 +21,7 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | FusedMoEConfig.tp_rank / tp_size / moe_backend | TP sharding and `--moe-backend` | 0.26-0.34 | - |
 | config.kernel.MoEBackend (Literal) | vLLM's `--moe-backend` names, for a precise refusal (`vllm_moe_backend_names`) | 0.26-0.34, names added over time (0.34: batched_triton, b12x, rdna3, ...) | - |
 | ...linear.LinearBase, UnquantizedLinearMethod | delegation of linear layers | 0.26-0.34 | - |
-| ...layers.attention.Attention; CompressedTensorsConfig's KV-cache method | a compressed-tensors `kv_cache_scheme` (fp8 KV cache, the checkpoint's k/v scales) runs as vLLM's own config runs it: its method for Attention layers, `kv_cache_scheme` on our config | 0.26-0.34 (same path) | - |
+| ...layers.attention.Attention; ...compressed_tensors.CompressedTensorsKVCacheMethod | a compressed-tensors `kv_cache_scheme` (fp8 KV cache, the checkpoint's k/v scales) runs as vLLM's own config runs it: that method for Attention layers, built on our config (it reads only `kv_cache_scheme`; vLLM's whole config would refuse act-order experts from 0.30) | 0.26-0.34 (same paths) | - |
 | ...vocab_parallel_embedding.ParallelLMHead | a GPTQ/AWQ `lm_head: true` head goes to the in-tree method (which takes it as a linear layer) | 0.26-0.34 | - |
 | ...quantization.auto_gptq.AutoGPTQConfig, auto_awq.AutoAWQConfig, compressed_tensors.CompressedTensorsConfig | linear layers run vLLM's in-tree method of the format | 0.26-0.34 paths; from 0.30 GPTQ `desc_act` with groups and compressed-tensors `actorder: group` raise ValueError (we refuse per linear layer, naming it); AutoGPTQConfig takes `sym: true` only (its TYPE_MAP), so `sym: false` linears go to gptq_linear.py | - |
 | transformers_utils.config.get_safetensors_params_metadata | which linear modules are stored quantized (as AutoGPTQConfig.maybe_update_config does) | 0.26-0.34 | - |
@@ -182,6 +182,14 @@ def linear_base_cls():
 
 def attention_cls():
     return _get("vllm.model_executor.layers.attention", "Attention")
+
+
+def ct_kv_cache_method(quant_config):
+    """vLLM's compressed-tensors KV-cache method on `quant_config`, which needs only a `kv_cache_scheme`."""
+    return _get(
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+        "CompressedTensorsKVCacheMethod",
+    )(quant_config)
 
 
 def parallel_lm_head_cls():

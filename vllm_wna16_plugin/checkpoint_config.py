@@ -231,21 +231,23 @@ class _GPTQRules(_Rules):
 
     def _check_experts_dynamic(self, prefix: str, names: Sequence[str]) -> None:
         """GPTQModel applies `dynamic` per module (an expert's down_proj may get its own bits or group), vLLM to a
-        MoE layer by the layer's name: a rule that gives an expert projection another scheme than the layer's
-        would load it wrongly (a shape error, or zero points read as symmetric). Refused by name instead."""
+        MoE layer by the layer's name: a rule matching an expert projection's name, but not the layer's, that
+        gives the projection another scheme than the layer's would load it wrongly (a shape error, or zero points
+        read as symmetric). Refused by name instead. A rule written for the layer's name alone (`-:.*experts$`)
+        is vLLM's own form and is read as vLLM reads it."""
         rule, scheme = self._dynamic_rule(prefix)
         for name in names:
             own_rule, own = self._dynamic_rule(name)
-            if own_rule != rule and own != scheme:
-                pattern = self.dynamic[own_rule][1].pattern if own_rule is not None else None
-                what = "no `dynamic` rule" if pattern is None else f"quantization_config.dynamic rule {pattern!r}"
+            if own_rule is not None and own_rule != rule and own != scheme:
+                pattern = self.dynamic[own_rule][1].pattern
                 gives = "unquantized" if own is None else own.describe()
                 layer = "unquantized" if scheme is None else scheme.describe()
                 raise ValueError(
-                    f"{prefix}: {what} makes the experts' {name.rsplit('.', 1)[-1]} {gives}, while vLLM reads a MoE "
-                    f"layer's `dynamic` rules at the layer's name ({layer}); one MoE layer runs one scheme for all "
-                    f"its projections. Supported: `dynamic` rules that match the MoE layer's name "
-                    f"('{prefix}') and give its experts one scheme"
+                    f"{prefix}: quantization_config.dynamic rule {pattern!r} makes the experts' "
+                    f"{name.rsplit('.', 1)[-1]} {gives}, but does not match the MoE layer's own name, at which vLLM "
+                    f"reads a MoE layer's `dynamic` rules ({layer} there); one MoE layer runs one scheme for all its "
+                    f"projections. Supported: `dynamic` rules that match the MoE layer's name ('{prefix}') and give "
+                    f"its experts one scheme"
                 )
 
     def _listed(self, name: str) -> bool:

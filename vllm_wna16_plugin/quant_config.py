@@ -256,7 +256,9 @@ def make_config_class():
             if self.parsed.lm_head_quantized and isinstance(layer, _vllm.parallel_lm_head_cls()):
                 return self._lm_head_method(layer, prefix)
             if self.kv_cache_scheme is not None and isinstance(layer, _vllm.attention_cls()):
-                return self._delegate().get_quant_method(layer, prefix)  # vLLM's compressed-tensors KV-cache method
+                # vLLM's compressed-tensors KV-cache method, on this config: it reads only kv_cache_scheme, and the
+                # in-tree config (the linear delegate) refuses act-order experts from vLLM 0.30
+                return _vllm.ct_kv_cache_method(self)
             return None
 
         def _lm_head_method(self, layer, prefix: str):

@@ -336,9 +336,11 @@ def _read_config(model_dir: str | Path) -> dict:
 
 def quantization_config_of(model_dir: str | Path, cfg: dict | None = None) -> dict:
     """The checkpoint's quantization config as vLLM finds it: config.json's quantization_config (or
-    compression_config), else a side file beside it (checkpoint_config.SIDE_FILES: AutoGPTQ's, AutoAWQ's)."""
+    compression_config; a multimodal model's may sit in its text_config), else a side file beside it
+    (checkpoint_config.SIDE_FILES: AutoGPTQ's, AutoAWQ's)."""
     cfg = _read_config(model_dir) if cfg is None else cfg
-    quant = cfg.get("quantization_config") or cfg.get("compression_config")
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    quant = cfg.get("quantization_config") or cfg.get("compression_config") or text.get("quantization_config")
     if quant is not None:
         return quant
     for name in SIDE_FILES:

@@ -915,6 +915,7 @@ def test_effective_group_size_rejects_bad_k():
         pytest.param({r"+:.*down_proj": {"group_size": 64}}, "down_proj", id="down-gs64"),
         pytest.param({r"+:.*gate_proj": {"sym": False}}, "gate_proj", id="gate-asym"),
         pytest.param({r"-:.*experts\.\d+\.up_proj": {}}, "up_proj", id="up-unquantized"),
+        pytest.param({r"+:.*experts\.\d+\.w2": {"bits": 8}}, "w2", id="mixtral-w2-int8"),
     ],
 )
 def test_gptq_dynamic_rules_giving_one_expert_projection_its_own_scheme_are_refused(rule, shard):

@@ -38,6 +38,8 @@ DEFAULT_FUSED_MAPPING = MappingProxyType(
 )
 # vLLM probes a routed-experts prefix through these unfused names of expert 0.
 EXPERT_SHARDS = ("0.gate_proj", "0.up_proj", "0.down_proj")
+# Every name an expert projection has on disk, for `dynamic` rules written per module (Mixtral: w1 gate, w3 up, w2 down).
+EXPERT_PROJECTIONS = EXPERT_SHARDS + ("0.w1", "0.w3", "0.w2")
 # Effective group sizes below this are refused by effective_group_size().
 MIN_REGROUPED_GROUP_SIZE = 16
 MAX_SUGGESTED_TP = 16
@@ -267,7 +269,7 @@ class _GPTQRules(_Rules):
         if not listed:
             return None
         if moe:
-            self._check_experts_dynamic(prefix, names)
+            self._check_experts_dynamic(prefix, [f"{prefix}.{s}" for s in EXPERT_PROJECTIONS])
         return self._dynamic(prefix)  # vLLM matches `dynamic` against the (fused) prefix itself
 
 

@@ -299,8 +299,10 @@ TRITON_FORMS = {
     "plugin-triton-tile": {"use_td": False, "pair_step_math": "tile", "dot_nibbles": "interleave"},
     "plugin-triton-split": {"use_td": False, "dot_nibbles": "split"},
     "plugin-triton-words": {"use_td": False, "dot_nibbles": "words"},
-    # act order's rows form (KernelOptions.triton_act_order): time it as plugin-triton-auto-rows-ao
+    # act order's gather forms (KernelOptions.triton_act_order; auto picks by M, configs.act_order_form): time
+    # them as plugin-triton-auto-rows-ao / plugin-triton-auto-load-ao
     "plugin-triton-auto-rows": {"triton_act_order": "rows"},
+    "plugin-triton-auto-load": {"triton_act_order": "load"},
     # the swapped tl.dot tile (KernelOptions.swap_ab: C.T = dequant(B) @ A.T, wgmma's M from the weights)
     # on every tile config of 16+ rows auto would run
     "plugin-triton-swap": {"swap_ab": True},

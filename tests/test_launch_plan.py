@@ -148,6 +148,21 @@ def test_kernel_options_reach_the_plan():
     assert "fused" not in plan(problem, 128, H200).gemms[0].form  # no shipped table fuses
 
 
+def test_act_order_plans_name_the_gather_the_kernel_runs():
+    """An act-order layer (has_g_idx): triton gathers in its loads below 4 tokens and into pair rows from 4
+    (configs.act_order_form); cuda keeps the layer's own ranges but M=1 (backends/cuda.act_order_ranges)."""
+    mixtral = layer_problem(8, 2, 4096, 14336, 1, 4, 128)
+    ao = dataclasses.replace(mixtral, has_g_idx=True)
+    assert plan(mixtral, 1, H200).backend == "cuda" and plan(ao, 1, H200).backend == "triton"
+    assert plan(ao, 1, H200).gemms[0].form.endswith("A gathered in its loads (act order)")
+    assert plan(ao, 16, H200).backend == "cuda" and any("act order" in w for w in plan(ao, 16, H200).why)
+    p64 = plan(ao, 64, H200)  # outside Mixtral-8x7B's measured cuda range (1-32): triton, rows first
+    assert plan(mixtral, 64, H200).backend == p64.backend == "triton"
+    assert p64.gemms[0].form.endswith("A gathered into pair rows first")
+    load = dataclasses.replace(ao, options=RunOptions(plan_only=True, kernel=KernelOptions(triton_act_order="load")))
+    assert plan(load, 64, H200).gemms[0].form.endswith("A gathered in its loads (act order)")
+
+
 @pytest.mark.parametrize(
     "field,value",
     [("dot_nibbles", "nibbles"), ("pair_step_math", "dequant"), ("cuda_kernel", "stream"), ("cuda_max_block_m", 3),

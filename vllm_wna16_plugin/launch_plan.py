@@ -90,14 +90,15 @@ class LaunchPlan:
 
 
 def _triton_gemms(problem: MoEProblem, m: int, device: DeviceSpec, launch) -> tuple[GemmPlan, ...]:
-    from vllm_wna16_plugin.kernels.triton.configs import dot_form, fuse_form, pair_step, swap_form
+    from vllm_wna16_plugin.kernels.triton.configs import act_order_form, dot_form, fuse_form, pair_step, swap_form
     from vllm_wna16_plugin.kernels.triton.td_gate import decide_td, td_request_from_env
 
     opts = problem.options.kernel
     requested = opts.use_td if opts.use_td is not None else td_request_from_env()
     bits = problem.scheme.bits
     rows = []
-    rows_form = problem.has_g_idx and opts.triton_act_order == "rows"  # act order gathered into pair rows first
+    # act order gathered into pair rows first (configs.act_order_form)
+    rows_form = problem.has_g_idx and act_order_form(m, opts.triton_act_order) == "rows"
     for gemm, choice, rows_a, k, perm in (
         (
             "gate/up",

@@ -78,12 +78,15 @@ def reference(tensors, x, topk_weights, topk_ids, expert_map, bits):
     )  # fmt: skip
 
 
-def run_sorted(tensors, x, topk_weights, topk_ids, expert_map, bits, **kwargs):
+LOAD = KernelOptions(triton_act_order="load")  # the in-load gather (the default picks it only below 4 tokens)
+
+
+def run_sorted(tensors, x, topk_weights, topk_ids, expert_map, bits, options=LOAD, **kwargs):
     s = sort_act_order(tensors, bits)
     assert s.a_perm is not None and s.a_perm.dtype == torch.int32
     return fused_moe_wna16_triton(
         x, *s.weights(), topk_weights, topk_ids, bits=bits, w13_qzeros=s.w13_qzeros, w2_qzeros=s.w2_qzeros,
-        expert_map=expert_map, a_perm=s.a_perm, **kwargs,
+        expert_map=expert_map, a_perm=s.a_perm, options=options, **kwargs,
     )  # fmt: skip
 
 
@@ -140,6 +143,24 @@ def test_the_rows_form_gathers_once_and_gives_the_same_layer(
     assert_close_scaled(out, reference(t, x, w, ids, emap, bits), dtype, "act order, rows form")
 
 
+@pytest.mark.parametrize("M, form", [(1, "load"), (3, "load"), (4, "rows"), (33, "rows")])
+def test_auto_picks_the_measured_form_by_token_count(M, form):
+    """KernelOptions(triton_act_order="auto") (the default) runs configs.act_order_form's pick: the same numbers
+    as that form asked for by name."""
+    from vllm_wna16_plugin.kernels.triton.configs import ACT_ORDER_ROWS_FROM_M, act_order_form
+
+    assert act_order_form(M, "auto") == form and act_order_form(M, "load") == "load"
+    assert (M >= ACT_ORDER_ROWS_FROM_M) == (form == "rows")
+    t, x, w, ids, emap = make_case(M=M, H=320, inter=96, E=4, top_k=2, bits=4, gs=32, zp=True, dtype=BF16,
+                                   seed=700 + M)  # fmt: skip
+    cfg = Cfg(16, 32, 128) if M > 1 else Cfg(1, 32, 128)
+    auto = run_sorted(t, x, w, ids, emap, 4, configs=cfg, use_td=False, options=KernelOptions())
+    named = run_sorted(t, x, w, ids, emap, 4, configs=cfg, use_td=False,
+                       options=KernelOptions(triton_act_order=form))  # fmt: skip
+    assert torch.equal(auto, named)
+    assert_close_scaled(auto, reference(t, x, w, ids, emap, 4), BF16, f"act order, auto form at M={M}")
+
+
 def test_the_act_order_form_is_checked():
     with pytest.raises(ValueError, match="triton_act_order='gather' is not one of"):
         KernelOptions(triton_act_order="gather")
@@ -150,6 +171,7 @@ def test_other_int4_dot_forms_read_the_permuted_a(form):
     """The split and interleaved dots, and the swapped tile (KernelOptions.swap_ab: its A operand is the B tile)."""
     t, x, w, ids, emap = make_case(M=5, H=320, inter=96, E=4, top_k=2, bits=4, gs=32, zp=True, seed=11)
     options = KernelOptions(swap_ab=True) if form == "swap" else KernelOptions(dot_nibbles=form)
+    options = dataclasses.replace(options, triton_act_order="load")
     out = run_sorted(t, x, w, ids, emap, 4, configs=Cfg(16, 32, 64), use_td=False, options=options)
     assert_close_scaled(out, reference(t, x, w, ids, emap, 4), BF16, form)
 

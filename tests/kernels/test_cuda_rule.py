@@ -79,18 +79,17 @@ def test_a_measured_crossover_comes_before_the_rule(shape):
     assert untuned[1] == RULE_SOURCE and untuned[0]
 
 
-def test_act_order_moves_the_ranges_off_m1_and_onto_16_to_64():
+def test_act_order_moves_the_ranges_off_m1_only():
     import dataclasses
 
     from vllm_wna16_plugin.backends.cuda import ACT_ORDER_SOURCE, act_order_ranges
 
-    assert act_order_ranges(((1, 32),), H200) == ((2, 64),)  # Mixtral-8x7B's crossover
-    assert act_order_ranges(((8, 64),), H200) == ((8, 64),)  # Qwen3-30B-A3B's
-    assert act_order_ranges((), H200) == ()  # cuda never won on the shape: triton
-    assert act_order_ranges(((1, 1),), H200) == ((16, 64),)
-    assert act_order_ranges(((1, 2), (100, 200)), H200) == ((2, 2), (16, 64), (100, 200))
-    assert act_order_ranges(((1, 32),), PLAN_DEVICES["sm80"]) == ((2, 32),)  # measured on sm90 only
+    assert act_order_ranges(((1, 32),)) == ((2, 32),)  # Mixtral-8x7B's crossover
+    assert act_order_ranges(((8, 64),)) == ((8, 64),)  # Qwen3-30B-A3B's
+    assert act_order_ranges(()) == ()  # cuda never won on the shape: triton
+    assert act_order_ranges(((1, 1),)) == ()
+    assert act_order_ranges(((1, 2), (100, 200))) == ((2, 2), (100, 200))
     mixtral = problem_of(*BENCH_SHAPES["mixtral-8x7b"])
     ranges, source = layer_ranges(dataclasses.replace(mixtral, has_g_idx=True), H200)
     plain, _ = layer_ranges(mixtral, H200)
-    assert plain == ((1, 32),) and ranges == ((2, 64),) and ACT_ORDER_SOURCE in source
+    assert plain == ((1, 32),) and ranges == ((2, 32),) and ACT_ORDER_SOURCE in source

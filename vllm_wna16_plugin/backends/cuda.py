@@ -105,33 +105,19 @@ def rule_ranges(problem: MoEProblem, device: DeviceSpec) -> tuple[tuple[int, int
     return tuple((lo, hi) for lo, hi in ranges)
 
 
-# Act order moves the crossover (H200, vLLM 0.34, 2026-12-05-c410069-ao.md: the three bench shapes Qwen3-30B-A3B,
-# Mixtral-8x7B, DeepSeek-V2-Lite with a random K order per expert, against their twins without): triton
-# gathers A in its loads, which costs little at M=1 (+0-15%) but 1.1-2.2x its time from M=16 (Mixtral at
-# M=64: 1275 µs against 579), while cuda gathers once per routed pair (act_order_rows: about 20 µs whatever M,
-# +4-15% from M=16, in its torch form of eight launches; one Triton launch since, not yet timed). So an act-order layer runs cuda at ACT_ORDER_CUDA_M (cuda-ao 0.45-0.78x triton-ao's
-# time there) and never at M=1 (cuda-ao 1.14-2.4x triton-ao's), the layer's ranges deciding the rest; a
-# layer whose ranges are empty (cuda never won on its shape) stays on triton.
-ACT_ORDER_CUDA_M = (16, 64)
-ACT_ORDER_SOURCE = "act-order crossover (backends/cuda.py, H200 2026-12-05-c410069-ao)"
+# Act order moves the crossover at M=1 only. Each act-order layer call of cuda gathers x once per routed pair
+# (cuda_ops.act_order_rows), which costs little beside GEMM1 from a few tokens on, but at M=1 the extra launch
+# made cuda-ao 1.14-2.4x triton-ao's time (H200 2026-12-05-c410069-ao), triton gathering in its loads there.
+# From 4 tokens triton gathers the pair rows once too (configs.act_order_form), within 1-4% of the layer
+# without act order at M 64-256 (H100 2026-12-05-c8ee655-ao2), so the layer's own ranges decide the rest.
+# (Before the rows form, act order also ran cuda at M 16-64 everywhere on sm90, which lost Mixtral-8x7B's M=64
+# to triton's rows form: 703 against 563 us in the same run.)
+ACT_ORDER_SOURCE = "act-order crossover (backends/cuda.py, H200 2026-12-05-c410069-ao, H100 2026-12-05-c8ee655-ao2)"
 
 
-def act_order_ranges(ranges, device: DeviceSpec) -> tuple[tuple[int, int], ...]:
-    """A layer's cuda ranges with act order: without M=1 and, on sm90, with ACT_ORDER_CUDA_M added (none
-    where the layer has none)."""
-    if not ranges:
-        return ()
-    spans = [[lo, hi] for lo, hi in ranges]
-    if device.platform == "cuda" and device.sm == 90:
-        spans.append(list(ACT_ORDER_CUDA_M))
-    spans = sorted([max(lo, 2), hi] for lo, hi in spans if hi >= 2)
-    merged: list[list[int]] = []
-    for lo, hi in spans:
-        if merged and lo <= merged[-1][1] + 1:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    return tuple((lo, hi) for lo, hi in merged)
+def act_order_ranges(ranges) -> tuple[tuple[int, int], ...]:
+    """A layer's cuda ranges with act order: the same without M=1."""
+    return tuple((max(lo, 2), hi) for lo, hi in ranges if hi >= 2)
 
 
 def layer_ranges(problem: MoEProblem, device: DeviceSpec | None = None) -> tuple[tuple[tuple[int, int], ...], str]:
@@ -144,7 +130,7 @@ def layer_ranges(problem: MoEProblem, device: DeviceSpec | None = None) -> tuple
     if not (ranges or crossover.has_entry(key, device)):
         ranges, source = rule_ranges(problem, device), RULE_SOURCE
     if problem.has_g_idx and problem.scheme.bits == 4:
-        return act_order_ranges(ranges, device), f"{source}, then the {ACT_ORDER_SOURCE}"
+        return act_order_ranges(ranges), f"{source}, then the {ACT_ORDER_SOURCE}"
     return ranges, source
 
 

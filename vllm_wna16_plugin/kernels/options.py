@@ -18,7 +18,7 @@ import torch
 PLATFORMS = ("cuda", "rocm", "xpu", "cpu", "interpreter")
 DOT_NIBBLE_FORMS = ("auto", "interleave", "split", "words")
 PAIR_STEP_FORMS = ("fold", "tile")
-TRITON_ACT_ORDER_FORMS = ("load", "rows")
+TRITON_ACT_ORDER_FORMS = ("auto", "load", "rows")
 CUDA_KERNELS = ("auto", "mma", "gemv")
 H200_SMS = 132
 
@@ -150,10 +150,10 @@ class KernelOptions:
     programmatic_launch: the CUDA layer's kernels are programmatic dependent launches on sm90+
       (csrc/grid_dependency.cuh): H200 2026-12-04-pdl3, 1-5 us faster per layer call at M 1-32.
     triton_act_order: how the Triton layer's GEMM1 reads x in an act-order expert's K order: "load" (each A
-      load gathers through a_perm) or "rows" (one gather of the M * top_k rows first, kernels/triton/
-      act_order.py, then GEMM1 reads a row per pair, as the CUDA layer does). "load" cost the H200 +0-15% at
-      M=1 but +11-121% from M=16 against the same layer without act order (2026-12-05-c410069-ao); "rows"
-      is not yet timed, so "load" stays the default (bench_moe.py: plugin-triton-auto-rows-ao).
+      load gathers through a_perm), "rows" (one gather of the M * top_k rows first, kernels/triton/act_order.py,
+      then GEMM1 reads a row per pair, as the CUDA layer does) or "auto": "rows" from 4 tokens, "load" below
+      (configs.act_order_form; H100 2026-12-05-c8ee655-ao2: "load" took 1.2-7.7x the rows form's time at M
+      4-256, 0.92-1.01x at M=1).
     swap_ab: the Triton tl.dot tile as C.T = dequant(B) @ A.T (configs.swap_form, dequant._tile_dot):
       None = where the config says so or the rule does (configs.swap_takes_wgmma: >= 16 token rows and >= 64
       weight rows), True = every tile of BLOCK_SIZE_M >= 16, False = none. The swapped form is for sm90's
@@ -184,7 +184,7 @@ class KernelOptions:
     cuda_min_warp_steps: int = 8
     own_align: bool = True
     programmatic_launch: bool = True
-    triton_act_order: str = "load"
+    triton_act_order: str = "auto"
     swap_ab: bool | None = None
     triton_fuse_act: bool | None = None
 

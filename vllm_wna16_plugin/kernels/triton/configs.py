@@ -402,6 +402,24 @@ def fuse_form(config: TritonMoEConfig, options) -> TritonMoEConfig:
     return replace(config, fuse_act=want)
 
 
+# Act order (a non-trivial g_idx, the sorted layout of backends/base.sort_act_order): how GEMM1 reads x in an
+# expert's K order. H100 2026-12-05-c8ee655-ao2 (Qwen3-30B-A3B, Mixtral-8x7B, DeepSeek-V2-Lite, random K
+# orders, vLLM 0.34): gathering in every A load ("load") took 1.2-1.6x the rows form's time at M=4-64 and
+# 3.0-7.7x at M=256 (Mixtral: 7174 against 933 us), where one gather of the M * top_k pair rows first ("rows",
+# kernels/triton/act_order.py) came within 1-4% of the same layer without act order at M=64-256 on the
+# shapes triton serves there; at M=1 "load" was 0.92-1.01x "rows" (the extra launch costs more than one
+# row's gathered loads save). M=2-3 were not timed: "load" there, as at M=1.
+ACT_ORDER_ROWS_FROM_M = 4
+
+
+def act_order_form(num_tokens: int, want: str) -> str:
+    """How GEMM1 of an act-order layer reads x under KernelOptions.triton_act_order (`want`): "load" or "rows"
+    as asked; "auto" is "rows" from ACT_ORDER_ROWS_FROM_M tokens, else "load" (the measurements above)."""
+    if want != "auto":
+        return want
+    return "rows" if num_tokens >= ACT_ORDER_ROWS_FROM_M else "load"
+
+
 def pair_step(bits: int, rows_on_words: bool, want: str) -> str:
     """How the per-pair kernel multiplies a K step (KernelOptions.pair_step_math is `want`): "fold" needs
     int4 rows on 32-bit words (it reads B as words); otherwise "tile"."""

@@ -40,6 +40,7 @@ from vllm_wna16_plugin.kernels.options import DEFAULT_OPTIONS, DeviceSpec, Kerne
 from vllm_wna16_plugin.kernels.triton.activation import _gated, gated_activation_triton, moe_sum_triton
 from vllm_wna16_plugin.kernels.triton.configs import (
     TritonMoEConfig,
+    act_order_form,
     dot_form,
     fuse_form,
     pair_step,
@@ -1003,7 +1004,7 @@ def fused_moe_wna16_triton(
         return torch.empty(split_k_buffer_shape(num_pairs, N, cfg), dtype=dtype, device=x.device)
 
     n1 = inter if fused else two_i  # GEMM1's output: the activation itself when fused
-    if a_perm is not None and options.triton_act_order == "rows":
+    if a_perm is not None and act_order_form(x.shape[0], options.triton_act_order) == "rows":
         # act order, one gather of the routed pairs' rows first: GEMM1 reads row p for pair p, no perm
         from vllm_wna16_plugin.kernels.triton.act_order import act_order_rows_triton
 

@@ -381,6 +381,24 @@ def test_ct_experts_with_mixed_projection_schemes_fail_like_vllm():
         parsed.scheme_for("model.layers.0.mlp.experts")
 
 
+def test_ct_experts_are_probed_under_the_layers_own_projection_names():
+    """vLLM 0.34 probes a MoE layer's compressed-tensors rules through expert 0 under the layer's checkpoint names:
+    Mixtral's w1/w3/w2. A group whose regex names them targets Mixtral's experts; the default names miss it."""
+    int8 = {**_CT_WEIGHTS_DEFAULTS, "num_bits": 8, "group_size": 128, "strategy": "group"}
+    cfg = copy.deepcopy(CT_GS128_ASYM)
+    cfg["config_groups"]["group_0"]["targets"] = [r"re:.*self_attn\..*"]
+    cfg["config_groups"]["group_1"] = {"targets": [r"re:.*experts\.\d+\.w[123]$"], "weights": int8,
+                                       "input_activations": None}  # fmt: skip
+    parsed = parse_compressed_tensors(cfg)
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    scheme = parsed.scheme_for(prefix, moe=True, expert_names=("w1", "w3", "w2"))
+    assert (scheme.bits, scheme.group_size) == (8, 128)
+    assert parsed.scheme_for(prefix, moe=True) is None  # gate_proj/up_proj/down_proj: no target names them
+    cfg["ignore"] = ["lm_head", r"re:.*experts\.\d+\.w2$"]
+    with pytest.raises(ValueError, match=r"its shards have different schemes .*experts\.0\.w2: unquantized"):
+        parse_compressed_tensors(cfg).scheme_for(prefix, moe=True, expert_names=("w1", "w3", "w2"))
+
+
 def _ct_two_groups(targets_0, targets_1, bits_1=8):
     int4 = {**_CT_WEIGHTS_DEFAULTS, "num_bits": 4, "group_size": 32, "strategy": "group", "symmetric": True}
     other = {**int4, "num_bits": bits_1}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+import re
 
 import pytest
 import torch
@@ -166,6 +168,60 @@ def test_a_layer_whose_file_holds_some_experts_unquantized_is_refused(vllm_cpu, 
                                          rf"quantized \({prefix}\.0\.down_proj\)"):  # fmt: skip
         _vllm.build_routed_experts(vllm_cpu, cfg, num_experts=4, top_k=2, hidden=128, intermediate=64, prefix=prefix,
                                    ckpt_names=("gate_proj", "down_proj", "up_proj"))  # fmt: skip
+
+
+MIXTRAL_EXPERTS_RE = r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"
+
+
+@pytest.mark.parametrize(
+    "targets, ignore, refused",
+    [
+        pytest.param([r"re:.*self_attn\.[qkvo]_proj$", MIXTRAL_EXPERTS_RE], [], None, id="targets-w1-w2-w3"),
+        pytest.param(["Linear"], [r"re:.*experts\.\d+\.w2$"], r"experts\.0\.w2: unquantized", id="ignore-w2"),
+    ],
+)
+def test_compressed_tensors_rules_naming_mixtral_experts_by_w1_w2_w3_are_read_as_vllm_reads_them(
+    vllm_cpu, tmp_path, targets, ignore, refused
+):
+    """vLLM 0.34's compressed-tensors MoE method probes a layer's rules through expert 0's projections under the
+    layer's checkpoint names (Mixtral's w1/w3/w2). The plugin probed gate_proj/up_proj/down_proj whatever the
+    model: a Mixtral checkpoint whose config group targets its experts by a regex of w1/w2/w3 was refused ("leaves
+    its routed experts unquantized ... but the checkpoint stores them quantized"), and an `ignore` of the w2s
+    alone, which vLLM refuses (one MoE layer, one scheme), loaded."""
+    from safetensors import safe_open
+
+    from vllm_wna16_plugin import _vllm
+    from vllm_wna16_plugin.reference import fused_moe_ref
+    from vllm_wna16_plugin.tools.make_checkpoint import MODEL_FILE, load_reference, make_checkpoint
+
+    E, H, I, top_k = 4, 128, 64, 2  # noqa: N806
+    path = make_checkpoint(tmp_path / "ck", fmt="compressed-tensors", bits=4, group_size=32, hidden=H,
+                           intermediate=I, experts=E, top_k=top_k, layers=1, arch="mixtral", seed=3)  # fmt: skip
+    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    (group,) = raw["config_groups"].values()
+    group["targets"] = targets
+    cfg = _config_of(path, config_groups=raw["config_groups"], ignore=["lm_head", *ignore])
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    build = lambda: _vllm.build_routed_experts(vllm_cpu, cfg, num_experts=E, top_k=top_k, hidden=H,  # noqa: E731
+                                                intermediate=I, prefix=prefix, ckpt_names=("w1", "w2", "w3"))  # fmt: skip
+    if refused:
+        with pytest.raises(ValueError, match=rf"{re.escape(prefix)}: its shards have different schemes .*{refused}"):
+            build()
+        return
+    layer = build()
+    assert layer.quant_method.scheme == cfg.parsed.scheme
+    with safe_open(str(path / MODEL_FILE), "pt") as f:
+        tensors = [(k.removeprefix(f"{prefix}."), f.get_tensor(k)) for k in f.keys() if k.startswith(f"{prefix}.")]
+    list(layer.load_weights(tensors))
+    layer.quant_method.process_weights_after_loading(layer)
+    ref = load_reference(path)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(6)])
+    w = torch.rand(6, top_k, generator=g)
+    out = layer.quant_method.apply(layer, x, w, ids, None, None).float()
+    exact = fused_moe_ref(x, ref["layers.0.w13"], ref["layers.0.w2"], w, ids).float()
+    assert (out - exact).abs().max().item() <= exact.abs().max().item() * 2**-6
 
 
 def test_config_pickles_by_name_into_a_fresh_process(config_cls, tmp_path):

@@ -18,6 +18,7 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | ...fused_moe.config.int4_w4a16_moe_quant_config / int8_w8a16_moe_quant_config | `get_fused_moe_quant_config` (read by vLLM's runner) | 0.26-0.34 | - |
 | RoutedExperts._map_global_expert_id_to_local_expert_id | expert-parallel weight loading | 0.26-0.34 | vLLM exposes the map publicly |
 | RoutedExperts.global_num_experts / expert_map | every expert's scheme checked at config time (`layer_global_experts`); EP routing | 0.26-0.34 | - |
+| RoutedExperts.ckpt_gate_proj_name / ckpt_up_proj_name / ckpt_down_proj_name | the names a layer's rules are probed with, as vLLM's compressed-tensors MoE method probes them (`layer_expert_names`: Mixtral's w1/w3/w2) | 0.34.0 checked (the layer's `ckpt_names`; read with the default names where absent) | - |
 | FusedMoEConfig.tp_rank / tp_size / moe_backend | TP sharding and `--moe-backend` | 0.26-0.34 | - |
 | config.kernel.MoEBackend (Literal) | vLLM's `--moe-backend` names, for a precise refusal (`vllm_moe_backend_names`) | 0.26-0.34, names added over time (0.34: batched_triton, b12x, rdna3, ...) | - |
 | ...linear.LinearBase, UnquantizedLinearMethod | delegation of linear layers | 0.26-0.34 | - |
@@ -402,6 +403,15 @@ def gpu_memory_utilization() -> float:
         value = None
     value = value if value is not None else getattr(cache, "gpu_memory_utilization", None)
     return float(value) if isinstance(value, (int, float)) and 0 < value <= 1 else DEFAULT_GPU_MEMORY_UTILIZATION
+
+
+def layer_expert_names(layer) -> tuple[str, ...]:
+    """The checkpoint's names of an expert's gate, up and down projections in a RoutedExperts layer
+    (`ckpt_gate_proj_name`, `ckpt_up_proj_name`, `ckpt_down_proj_name`: gate_proj/up_proj/down_proj, Mixtral's
+    w1/w3/w2), the names vLLM probes the layer's quantization rules with; an absent one (a non-gated layer's up)
+    is left out."""
+    names = (getattr(layer, f"ckpt_{p}_proj_name", p + "_proj") for p in ("gate", "up", "down"))
+    return tuple(str(n) for n in names if n)
 
 
 def layer_activation(layer) -> str:

@@ -36,10 +36,11 @@ CT_ACTORDER = MappingProxyType({"group": True, "dynamic": True, "weight": False,
 DEFAULT_FUSED_MAPPING = MappingProxyType(
     {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 )
-# vLLM probes a routed-experts prefix through these unfused names of expert 0.
-EXPERT_SHARDS = ("0.gate_proj", "0.up_proj", "0.down_proj")
+# vLLM probes a routed-experts prefix through expert 0's projections under the layer's checkpoint names
+# (RoutedExperts.ckpt_gate/up/down_proj_name, in that order); these are the default, Mixtral's are w1, w3, w2.
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 # Every name an expert projection has on disk, for `dynamic` rules written per module (Mixtral: w1 gate, w3 up, w2 down).
-EXPERT_PROJECTIONS = EXPERT_SHARDS + ("0.w1", "0.w3", "0.w2")
+EXPERT_PROJECTIONS = EXPERT_NAMES + ("w1", "w3", "w2")
 # Effective group sizes below this are refused by effective_group_size().
 MIN_REGROUPED_GROUP_SIZE = 16
 MAX_SUGGESTED_TP = 16
@@ -183,6 +184,11 @@ def _agree(prefix: str, names: Sequence[str], values: Sequence[Any], what: str) 
     return values[0]
 
 
+def _expert_probes(prefix: str, experts: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
+    """Expert 0's projections under a routed-experts prefix (`<prefix>.0.<name>`), as vLLM probes the layer."""
+    return [f"{prefix}.0.{name}" for name in dict.fromkeys((*experts, *extra))]
+
+
 def _show(value: Any) -> str:
     if isinstance(value, WNA16Scheme):
         return value.describe()
@@ -192,7 +198,10 @@ def _show(value: Any) -> str:
 class _Rules:
     """Per-module lookup of one format; `resolve` mirrors the in-tree vLLM config."""
 
-    def resolve(self, prefix: str, fused: Mapping, moe: bool, lm_head_quantized: bool) -> WNA16Scheme | None:
+    def resolve(
+        self, prefix: str, fused: Mapping, moe: bool, lm_head_quantized: bool, experts: Sequence[str] = EXPERT_NAMES
+    ) -> WNA16Scheme | None:
+        """experts: the layer's checkpoint names of an expert's gate, up and down projections (moe only)."""
         raise NotImplementedError
 
     def renamed(self, map_name: Callable[[str], str | None]) -> _Rules:
@@ -206,7 +215,7 @@ class _Uniform(_Rules):
 
     scheme: WNA16Scheme
 
-    def resolve(self, prefix, fused, moe, lm_head_quantized):
+    def resolve(self, prefix, fused, moe, lm_head_quantized, experts=EXPERT_NAMES):
         if _is_lm_head(prefix) and not lm_head_quantized:
             return None
         return self.scheme
@@ -258,10 +267,10 @@ class _GPTQRules(_Rules):
     def renamed(self, map_name):  # vLLM renames modules_in_block_to_quantize, not the `dynamic` regexes
         return replace(self, quantized_modules=_renamed_list(self.quantized_modules, map_name))
 
-    def resolve(self, prefix, fused, moe, lm_head_quantized):
+    def resolve(self, prefix, fused, moe, lm_head_quantized, experts=EXPERT_NAMES):
         if _is_lm_head(prefix) and not lm_head_quantized:
             return None
-        names = [f"{prefix}.{s}" for s in EXPERT_SHARDS] if moe else _shards(prefix, fused)
+        names = _expert_probes(prefix, experts) if moe else _shards(prefix, fused)
         if names is None:
             listed = self._listed(prefix)
         else:  # vLLM's is_layer_gptq_quantized: every shard listed, or none
@@ -269,7 +278,7 @@ class _GPTQRules(_Rules):
         if not listed:
             return None
         if moe:
-            self._check_experts_dynamic(prefix, [f"{prefix}.{s}" for s in EXPERT_PROJECTIONS])
+            self._check_experts_dynamic(prefix, _expert_probes(prefix, experts, EXPERT_PROJECTIONS))
         return self._dynamic(prefix)  # vLLM matches `dynamic` against the (fused) prefix itself
 
 
@@ -286,7 +295,7 @@ class _AWQRules(_Rules):
     def renamed(self, map_name):
         return replace(self, not_convert=_renamed_list(self.not_convert, map_name))
 
-    def resolve(self, prefix, fused, moe, lm_head_quantized):
+    def resolve(self, prefix, fused, moe, lm_head_quantized, experts=EXPERT_NAMES):
         if _is_lm_head(prefix) and not lm_head_quantized:
             return None
         names = None if moe else _shards(prefix, fused)
@@ -384,10 +393,10 @@ class _CTRules(_Rules):
     def _one(self, name: str, fused: Mapping) -> WNA16Scheme | ForeignScheme | None:
         return None if self._ignored(name, fused) else self._match(name, fused)
 
-    def resolve(self, prefix, fused, moe, lm_head_quantized):
+    def resolve(self, prefix, fused, moe, lm_head_quantized, experts=EXPERT_NAMES):
         if not moe:
             return self._one(prefix, fused)
-        names = [f"{prefix}.{s}" for s in EXPERT_SHARDS]
+        names = _expert_probes(prefix, experts)  # vLLM 0.34's get_moe_method: the layer's own checkpoint names
         return _agree(prefix, names, [self._one(n, fused) for n in names], "schemes")
 
 
@@ -414,19 +423,23 @@ class CheckpointQuantConfig:
         *,
         fused_mapping: Mapping[str, Sequence[str]] | None = None,
         moe: bool | None = None,
+        expert_names: Sequence[str] | None = None,
     ) -> WNA16Scheme | ForeignScheme | None:
         """The scheme of the module at this vLLM prefix; None when it stays unquantized; a ForeignScheme (linear
         modules only: routed experts in one raise) when a compressed-tensors group that is not WNA16 quantizes it.
 
         moe=None treats a prefix whose last part is "experts" as routed experts (probed, as
-        vLLM does, through `<prefix>.0.gate_proj/.0.up_proj/.0.down_proj`). fused_mapping is
+        vLLM does, through expert 0's projections under the layer's checkpoint names, `expert_names`
+        (gate, up, down): `<prefix>.0.gate_proj/.0.up_proj/.0.down_proj` by default, Mixtral's
+        `.0.w1/.0.w3/.0.w2`). fused_mapping is
         the model's packed_modules_mapping (default: qkv_proj and gate_up_proj). Raises
         ValueError when the shards of one fused module disagree, as vLLM does.
         """
         fused = DEFAULT_FUSED_MAPPING if fused_mapping is None else fused_mapping
         is_moe = _last(prefix) == "experts" if moe is None else moe
         rules = self.rules if self.rules is not None else _Uniform(self.scheme)
-        scheme = rules.resolve(prefix, fused, is_moe, self.lm_head_quantized)
+        experts = tuple(n for n in expert_names if n) if expert_names is not None else EXPERT_NAMES
+        scheme = rules.resolve(prefix, fused, is_moe, self.lm_head_quantized, experts)
         if is_moe and isinstance(scheme, ForeignScheme):
             raise ValueError(
                 f"{prefix}: the routed experts are quantized by {scheme.why}. moe_wna16_plus runs weight-only int4/int8 "

@@ -154,7 +154,7 @@ def make_config_class():
             found = sorted(m for m in floats if m.startswith(block))
             return found if len(found) >= 2 else []
 
-        def _check_stored_experts(self, prefix: str, scheme) -> None:
+        def _check_stored_experts(self, prefix: str, scheme, experts: tuple[str, ...]) -> None:
             """The layer's experts as the safetensors store them (maybe_update_config) against the scheme the config
             gives the layer, which vLLM reads through expert 0's modules: every expert quantized, or none of them,
             and quantized where the config says so. Else vLLM would fail on the first tensor of the other kind
@@ -171,7 +171,7 @@ def make_config_class():
             if scheme is None and quantized:
                 raise ValueError(
                     f"moe_wna16_plus: {prefix}: quantization_config leaves its routed experts unquantized (read, as "
-                    f"vLLM reads it, through expert 0's gate_proj/up_proj/down_proj), but the checkpoint stores them "
+                    f"vLLM reads it, through expert 0's {'/'.join(experts)}), but the checkpoint stores them "
                     f"quantized ({quantized[0]}); the config's module rules (modules_in_block_to_quantize, dynamic, "
                     "ignore, modules_to_not_convert) must name the experts as quantized"
                 )
@@ -221,16 +221,17 @@ def make_config_class():
         def get_quant_method(self, layer: torch.nn.Module, prefix: str):
             fused = getattr(self, "packed_modules_mapping", None) or None
             if isinstance(layer, _vllm.routed_experts_cls()):
-                scheme = self.parsed.scheme_for(prefix, fused_mapping=fused, moe=True)
+                experts = _vllm.layer_expert_names(layer)  # the names vLLM probes the layer's rules with
+                scheme = self.parsed.scheme_for(prefix, fused_mapping=fused, moe=True, expert_names=experts)
                 stored = self._stored_experts(prefix, getattr(self, "_quantized_modules", None))
                 if scheme is None and stored and (found := self.parsed.stored_experts_scheme(prefix)) is not None:
                     logger.info(
                         "moe_wna16_plus: %s: modules_in_block_to_quantize does not name its experts by the names vLLM "
-                        "probes (expert 0's gate_proj/up_proj/down_proj), and the checkpoint stores them quantized "
-                        "(%s): loading them as %s, as vLLM's GPTQ MoE method does", prefix, stored[0], found.describe(),
+                        "probes (expert 0's %s), and the checkpoint stores them quantized (%s): loading them as %s, "
+                        "as vLLM's GPTQ MoE method does", prefix, "/".join(experts), stored[0], found.describe(),
                     )  # fmt: skip
                     scheme = found
-                self._check_stored_experts(prefix, scheme)
+                self._check_stored_experts(prefix, scheme, experts)
                 if scheme is not None and (floats := self._block_stored_float(prefix)):
                     logger.info(
                         "moe_wna16_plus: %s: the checkpoint stores its MoE block unquantized (%s, ... are float "

@@ -206,6 +206,19 @@ def test_doctor_deepseek_layout_skips_the_first_dense_layers(four_layers, tmp_pa
     assert "assumed: ['SomeNewMoeForCausalLM'] is not in doctor's table" in plan(unknown, launch_configs=False)
 
 
+def test_doctor_probes_mixtral_experts_by_their_own_names(four_layers, tmp_path):
+    """A Mixtral compressed-tensors config whose group targets the experts by a regex of w1/w2/w3: loading (as
+    vLLM) probes expert 0's w1/w3/w2, so doctor does too, and plans the layers quantized."""
+    from vllm_wna16_plugin.tools.doctor import resolve_checkpoint
+
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"group_0": {"targets": [r"re:.*experts\.\d+\.w[123]$"], "weights": _INT4,
+                                        "input_activations": None}},
+          "ignore": ["lm_head"]}  # fmt: skip
+    path = _with_config(four_layers, tmp_path, architectures=["MixtralForCausalLM"], quantization_config=ct)
+    assert [(g.describe(), g.layers) for g in resolve_checkpoint(path).groups] == [(CT4, (0, 1, 2, 3))]
+
+
 def test_doctor_refuses_experts_whose_shards_disagree_as_loading_does(four_layers, tmp_path):
     ct = {"quant_method": "compressed-tensors", "format": "pack-quantized",
           "config_groups": {"group_0": {"targets": ["Linear"], "weights": _INT4},

@@ -26,6 +26,7 @@ from vllm_wna16_plugin.backends import MoEProblem, RunOptions
 from vllm_wna16_plugin.backends.base import act_order_split_issue, random_act_order_padding
 from vllm_wna16_plugin.block_config import LEGAL_K_RATIOS, choose_cuda_block_config, cuda_group_size
 from vllm_wna16_plugin.checkpoint_config import (
+    EXPERT_NAMES,
     MAX_LAYERS,
     MAX_SUGGESTED_TP,
     SIDE_FILES,
@@ -152,6 +153,7 @@ class MoELayout:
 
     block: str  # the decoder layer's MoE block: "mlp" or "block_sparse_moe"
     is_moe_layer: Callable[[Mapping, str, int], bool]
+    experts: tuple[str, ...] = EXPERT_NAMES  # an expert's gate, up, down projections as the model's file names them
 
     def prefix(self, i: int) -> str:
         return f"model.layers.{i}.{self.block}.experts"
@@ -161,8 +163,8 @@ class MoELayout:
 MOE_LAYOUTS = {
     "Qwen2MoeForCausalLM": MoELayout("mlp", _qwen_moe_layer),
     "Qwen3MoeForCausalLM": MoELayout("mlp", _qwen_moe_layer),
-    "MixtralForCausalLM": MoELayout("block_sparse_moe", _every_layer),
-    "PhiMoEForCausalLM": MoELayout("block_sparse_moe", _every_layer),
+    "MixtralForCausalLM": MoELayout("block_sparse_moe", _every_layer, ("w1", "w3", "w2")),
+    "PhiMoEForCausalLM": MoELayout("block_sparse_moe", _every_layer, ("w1", "w3", "w2")),
     "OlmoeForCausalLM": MoELayout("mlp", _every_layer),
     "DeepseekV2ForCausalLM": MoELayout("mlp", _deepseek_moe_layer),
     "DeepseekV3ForCausalLM": MoELayout("mlp", _deepseek_moe_layer),
@@ -182,11 +184,17 @@ class MoESchemeLayers:
         return "unquantized (vLLM's unquantized MoE method)" if self.scheme is None else self.scheme.describe()
 
 
+def moe_layout(cfg: Mapping) -> tuple[str | None, MoELayout]:
+    """The model's architecture in doctor's table (None if none is) and its MoE layout."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in MOE_LAYOUTS), None) if isinstance(archs, list) else None
+    return arch, MOE_LAYOUTS.get(arch, DEFAULT_LAYOUT)
+
+
 def moe_layer_prefixes(cfg: Mapping, dims: MoEDims) -> tuple[dict[int, str], str]:
     """{decoder layer index: vLLM prefix of its routed experts}, and a line saying which naming was used."""
     archs = cfg.get("architectures") or []
-    arch = next((a for a in archs if a in MOE_LAYOUTS), None) if isinstance(archs, list) else None
-    layout = MOE_LAYOUTS.get(arch, DEFAULT_LAYOUT)
+    arch, layout = moe_layout(cfg)
     c = cfg if dims.where == "" else cfg["text_config"]
     prefixes = {i: layout.prefix(i) for i in range(dims.num_layers) if layout.is_moe_layer(c, dims.where, i)}
     if not prefixes:
@@ -213,7 +221,10 @@ def stored_tensor_names(model_dir: str | Path) -> set[str]:
 
 
 def moe_schemes(
-    parsed: CheckpointQuantConfig, prefixes: Mapping[int, str], stored: set[str] | None = None
+    parsed: CheckpointQuantConfig,
+    prefixes: Mapping[int, str],
+    stored: set[str] | None = None,
+    experts: Sequence[str] = EXPERT_NAMES,
 ) -> tuple[MoESchemeLayers, ...]:
     """Each distinct scheme the routed-experts layers resolve to, in layer order.
 
@@ -221,11 +232,12 @@ def moe_schemes(
     moe=True)), so dynamic rules, modules_in_block_to_quantize, modules_to_not_convert, ignore and
     several config_groups give the plan loading will run; a layer loading refuses raises here too. stored (the
     safetensors' tensor names): GPTQ experts stored quantized load so whatever modules_in_block_to_quantize lists
-    (CheckpointQuantConfig.stored_experts_scheme), as in MoeWNA16PlusConfig.get_quant_method.
+    (CheckpointQuantConfig.stored_experts_scheme), as in MoeWNA16PlusConfig.get_quant_method. experts: the
+    model's names of an expert's gate, up and down projections, which the rules are probed with (MoELayout).
     """
     by_scheme: dict[WNA16Scheme | None, list[int]] = {}
     for i, prefix in prefixes.items():
-        scheme = parsed.scheme_for(prefix, moe=True)
+        scheme = parsed.scheme_for(prefix, moe=True, expert_names=experts)
         head = f"{prefix}."
         if scheme is None and any(
             n.startswith(head) and n[len(head) : len(head) + 1].isdigit() and n.endswith(".qweight")
@@ -400,7 +412,7 @@ def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90")
     parsed = parse_quantization_config(quantization_config_of(model_dir, cfg))
     dims = moe_dims(cfg)
     prefixes, naming = moe_layer_prefixes(cfg, dims)
-    groups = moe_schemes(parsed, prefixes, stored_tensor_names(model_dir))
+    groups = moe_schemes(parsed, prefixes, stored_tensor_names(model_dir), moe_layout(cfg)[1].experts)
     for g in groups:  # TP-independent: the sizes against each scheme's packing and group size
         if g.scheme is not None:
             check_packable(g.scheme.bits, dims.hidden, dims.intermediate, prefixes[g.layers[0]])

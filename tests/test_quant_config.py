@@ -389,8 +389,11 @@ def test_a_model_that_renames_checkpoint_modules_finds_their_rules_and_stored_te
         ({"mtp.layers.0.mlp.experts.0.gate_proj.qweight": "I32", "mtp.layers.0.mlp.gate.weight": "BF16"}, False),
         # only a float router under the block (the experts stored under names the file does not share): no verdict
         ({"mtp.layers.0.mlp.gate.weight": "BF16"}, False),
+        # routed experts stored as floats beside a quantized shared expert: the experts' own dtypes decide
+        ({"mtp.layers.0.mlp.experts.0.gate_proj.weight": "BF16", "mtp.layers.0.mlp.experts.0.down_proj.weight": "BF16",
+          "mtp.layers.0.mlp.shared_expert.down_proj.qweight": "I32"}, True),
     ],
-    ids=["float-experts", "granite-fused-float", "quantized-experts", "router-only"],
+    ids=["float-experts", "granite-fused-float", "quantized-experts", "router-only", "float-experts-quantized-shared"],
 )  # fmt: skip
 def test_a_moe_block_the_file_stores_unquantized_loads_unquantized(vllm_cpu, monkeypatch, stored, unquantized):
     """The config's rules say quantized, the safetensors say float: vLLM would build the quantized layer and fail
@@ -410,6 +413,41 @@ def test_a_moe_block_the_file_stores_unquantized_loads_unquantized(vllm_cpu, mon
     monkeypatch.setattr(_vllm, "unquantized_moe_method", lambda moe_config: "unquantized MoE")
     method = cfg.get_quant_method(layer, prefix)
     assert (method == "unquantized MoE") == unquantized, method
+
+
+def test_routed_experts_the_file_stores_as_floats_beside_quantized_shared_experts_load_unquantized(
+    vllm_cpu, tmp_path, monkeypatch
+):
+    """An AWQ file written by GPTQModel whose `dynamic` rule left the routed experts bf16 (vLLM's AWQ config, and so
+    ours, does not read `dynamic`) while the shared expert beside them is quantized: the block is not all float, so
+    the block rule did not apply, and vLLM's loader failed on the first float expert tensor with an AttributeError
+    ("has no parameter 'w13_weight'"). The experts' stored dtypes decide, as they do for linear layers."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm_wna16_plugin import _vllm
+    from vllm_wna16_plugin.tools.make_checkpoint import MODEL_FILE, make_checkpoint
+
+    E, H, I = 4, 128, 64  # noqa: N806
+    path = make_checkpoint(tmp_path / "ck", fmt="awq", bits=4, group_size=32, sym=False, hidden=H, intermediate=I,
+                           experts=E, top_k=2, layers=1)  # fmt: skip
+    prefix = "model.layers.0.mlp.experts"
+    tensors = load_file(str(path / MODEL_FILE))
+    for name in [n for n in tensors if n.startswith(f"{prefix}.")]:
+        del tensors[name]
+    for e in range(E):
+        for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            tensors[f"{prefix}.{e}.{proj}.weight"] = torch.randn(shape).bfloat16()
+    tensors["model.layers.0.mlp.shared_expert.down_proj.qweight"] = torch.zeros(I, H // 8, dtype=torch.int32)
+    save_file(tensors, str(path / MODEL_FILE), metadata={"format": "pt"})
+    gptqmodel_awq = {"dynamic": {r"-:.*mlp\.experts\..*": {}}, "checkpoint_format": "gemm", "format": "gemm",
+                     "pack_dtype": "int32", "desc_act": False}  # fmt: skip
+    cfg = _config_of(path, **gptqmodel_awq)
+    assert cfg.parsed.scheme_for(prefix, moe=True) is not None  # the rules alone say quantized
+    plain = type(cfg).from_config(cfg.parsed.raw)  # a layer to ask about (no stored dtypes: the plugin's method)
+    layer = _vllm.build_routed_experts(vllm_cpu, plain, num_experts=E, top_k=2, hidden=H, intermediate=I,
+                                       prefix=prefix, ckpt_names=("gate_proj", "down_proj", "up_proj"))  # fmt: skip
+    monkeypatch.setattr(_vllm, "unquantized_moe_method", lambda moe_config: "unquantized MoE")
+    assert cfg.get_quant_method(layer, prefix) == "unquantized MoE"
 
 
 LM_HEAD_CONFIGS = {

@@ -140,14 +140,21 @@ def make_config_class():
             return sorted(m for m in modules or () if m.startswith(head) and m[len(head) : len(head) + 1].isdigit())
 
         def _block_stored_float(self, prefix: str) -> list[str]:
-            """The float modules of the MoE block holding these routed experts (the prefix's parent: its experts,
-            router, shared experts) when the checkpoint stores at least two there and nothing quantized, else [].
-            MTP layers of GPTQ/AWQ files (experts left bf16, no `dynamic` rule saying so) and GraniteMoE's fused
-            bf16 `input_linear` are such blocks; vLLM would build a quantized layer and fail on the first float
-            tensor ("has no parameter"). Unknown metadata, or names the file does not use, decide nothing."""
+            """The float modules that show these routed experts stored unquantized, else []: the experts' own when
+            the checkpoint stores them only as float weights (`<prefix>.<expert>.<proj>.weight`, nothing quantized
+            among them: routed experts left bf16 beside quantized shared experts, which an AWQ file's GPTQModel
+            `dynamic` rule, unread by vLLM's AWQ config and so by ours, may say), else those of the MoE block holding
+            them (the prefix's parent: its experts, router, shared experts) when the checkpoint stores at least two
+            there and nothing quantized. MTP layers of GPTQ/AWQ files (experts left bf16, no `dynamic` rule saying
+            so) and GraniteMoE's fused bf16 `input_linear` are such blocks. vLLM would build a quantized layer and
+            fail on the first float tensor ("has no parameter"). Unknown metadata, or names the file does not use,
+            decide nothing. Experts stored partly quantized are refused before (_check_stored_experts)."""
             quantized, floats = self._quantized_modules, self._float_modules
             if not quantized or not floats or "." not in prefix:
                 return []
+            experts = self._stored_experts(prefix, floats)
+            if experts and not self._stored_experts(prefix, quantized):
+                return experts
             block = prefix.rpartition(".")[0] + "."
             if any(m.startswith(block) for m in quantized):
                 return []
@@ -234,9 +241,9 @@ def make_config_class():
                 self._check_stored_experts(prefix, scheme, experts)
                 if scheme is not None and (floats := self._block_stored_float(prefix)):
                     logger.info(
-                        "moe_wna16_plus: %s: the checkpoint stores its MoE block unquantized (%s, ... are float "
-                        "tensors; none under it is quantized), although the config's rules name it quantized: "
-                        "loading it as unquantized MoE", prefix, ", ".join(floats[:2]),
+                        "moe_wna16_plus: %s: the checkpoint stores its routed experts unquantized (%s, ... are float "
+                        "tensors, none of them quantized), although the config's rules name them quantized: "
+                        "loading them as unquantized MoE", prefix, ", ".join(floats[:2]),
                     )  # fmt: skip
                     scheme = None
                 if scheme is None:

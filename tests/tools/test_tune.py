@@ -263,3 +263,17 @@ def test_a_tuned_dir_variable_naming_a_file_is_refused_by_name(tmp_path, monkeyp
     monkeypatch.setenv(user_tables.ENV_DIR, str(a_file))
     with pytest.raises(ValueError, match=message):
         doctor_plan(ckpt, launch_configs=False)
+
+
+def test_cli_tune_refuses_a_batch_size_it_cannot_allocate(tmp_path, capsys):
+    """--m 100000000000000000000 passed the checks, so on a GPU torch.randn(M, H) would fail with a TypeError
+    (overflow), and an M of 10**12 with a RuntimeError (allocation): a traceback, not one line (a bad-input sweep;
+    seen with torch on CPU, no GPU run). Bounded, named as typed, before the GPU is looked for."""
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, hidden=128, intermediate=128,
+                           experts=4, top_k=2, layers=1)  # fmt: skip
+    for m in ("100000000000000000000", "1,65537"):
+        assert main(["tune", str(ckpt), "--m", m]) == 2
+        err = capsys.readouterr().err
+        assert f"--m='{m}': batch size {m.split(',')[-1]} is larger than 65536 tokens; supported: 1..65536" in err

@@ -37,17 +37,25 @@ def tuned_root(environ=None) -> Path:
     """The root of every device's tuned tables (module docstring)."""
     env = os.environ if environ is None else environ
     if env.get(ENV_DIR):
-        return Path(env[ENV_DIR]).expanduser()
+        root = Path(env[ENV_DIR]).expanduser()
+        if root.exists() and not root.is_dir():  # a typo'd file: every table would be silently ignored
+            raise ValueError(
+                f"{ENV_DIR}={env[ENV_DIR]!r} names a file, not a directory; point it at a directory (new or one "
+                "vllm-wna16 tune wrote), or unset it for ~/.cache/vllm-wna16-plugin/tuned"
+            )
+        return root
     cache = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "vllm-wna16-plugin" / "tuned"
 
 
 def use_tuned(environ=None) -> bool:
     """VLLM_WNA16_PLUS_TUNED: unset, 1/true/yes/on read the user's tables, 0/false/no/off ignore them; any other
-    value is a ValueError naming the variable (checked when a layer is built, moe_method._select)."""
+    value is a ValueError naming the variable (checked when a layer is built, moe_method._select, and by doctor).
+    When on, VLLM_WNA16_PLUS_TUNED_DIR is checked too (tuned_root)."""
     env = os.environ if environ is None else environ
     value = env.get(ENV_USE, "1").strip().lower()
     if value in ("1", "true", "yes", "on", ""):
+        tuned_root(env)
         return True
     if value in ("0", "false", "no", "off"):
         return False

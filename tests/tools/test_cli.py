@@ -209,3 +209,17 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(checkpoint):
     proc.stdout.close()  # `| head -c 10`
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and "error" not in err, err
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "debug"])
+def test_a_debug_switch_of_another_value_is_one_line_naming_it(tmp_path, monkeypatch, capsys, value):
+    """VLLM_WNA16_DEBUG=maybe (or 2) was read as on: a silent guess (a bad-input sweep). Now refused by name, before
+    the verb runs, with the values that work."""
+    from vllm_wna16_plugin.tools.cli import debug_on
+
+    with pytest.raises(ValueError, match=rf"^{DEBUG_ENV}='{value}' is not understood; use 1 .* or 0"):
+        debug_on({DEBUG_ENV: value})
+    monkeypatch.setenv(DEBUG_ENV, value)
+    assert main(["make-checkpoint", str(tmp_path / "ck"), "--format", "gptq"]) == EXIT_ERROR
+    assert f"{DEBUG_ENV}='{value}' is not understood" in error_line(capsys, "make-checkpoint")
+    assert not (tmp_path / "ck").exists()

@@ -204,3 +204,23 @@ def test_demo_flags_out_of_range_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["demo", *flags])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--checkpoint", ""], "argument --checkpoint: an empty path names no directory"),
+        (["--out", " "], "argument --out: an empty path names no directory"),
+        (["--out", "a", "--checkpoint", "b"], "argument --checkpoint: not allowed with argument --out"),
+    ],
+)
+def test_demo_path_flags_that_name_no_directory_are_usage_errors(capsys, argv, message):
+    """`--checkpoint ''` ran the default demo instead, and `--out ''` wrote a temporary checkpoint and removed it;
+    --out beside --checkpoint was ignored (a bad-input sweep). Refused by argparse, before vLLM is touched."""
+    from vllm_wna16_plugin.tools.cli import EXIT_ERROR, main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", *argv])
+    assert exit_.value.code == EXIT_ERROR
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith(f"vllm-wna16 demo: error: {message}")

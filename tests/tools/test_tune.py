@@ -239,3 +239,41 @@ def test_cli_tune_refuses_reps_and_budget_that_cannot_time(tmp_path, capsys):
                           ("--budget-s=-5", "--budget-s=-5.0: the exploration budget")):  # fmt: skip
         assert main(["tune", str(ckpt), flag]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_tuned_dir_variable_naming_a_file_is_refused_by_name(tmp_path, monkeypatch):
+    """VLLM_WNA16_PLUS_TUNED_DIR pointing at a file silently read no tables (tuned_dir found no directory there), so a
+    typo lost every tuned table without a word (a bad-input sweep). Refused where the plugin's variables are checked:
+    when a layer is built (use_tuned) and by doctor; with the tables switched off it is not read."""
+    from vllm_wna16_plugin.tools.doctor import plan as doctor_plan
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    a_file = tmp_path / "tables.json"
+    a_file.write_text("{}")
+    env = {user_tables.ENV_DIR: str(a_file)}
+    message = rf"VLLM_WNA16_PLUS_TUNED_DIR='{a_file}' names a file, not a directory"
+    with pytest.raises(ValueError, match=message):
+        user_tables.use_tuned(env)
+    with pytest.raises(ValueError, match=message):
+        user_tables.tuned_dir(GPU_X, env)
+    assert user_tables.use_tuned({**env, user_tables.ENV_USE: "0"}) is False
+    assert user_tables.use_tuned({user_tables.ENV_DIR: str(tmp_path / "new")}) is True  # not there yet: tune makes it
+    ckpt = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, hidden=128, intermediate=128,
+                           experts=4, top_k=2, layers=1)  # fmt: skip
+    monkeypatch.setenv(user_tables.ENV_DIR, str(a_file))
+    with pytest.raises(ValueError, match=message):
+        doctor_plan(ckpt, launch_configs=False)
+
+
+def test_cli_tune_refuses_a_batch_size_it_cannot_allocate(tmp_path, capsys):
+    """--m 100000000000000000000 passed the checks, so on a GPU torch.randn(M, H) would fail with a TypeError
+    (overflow), and an M of 10**12 with a RuntimeError (allocation): a traceback, not one line (a bad-input sweep;
+    seen with torch on CPU, no GPU run). Bounded, named as typed, before the GPU is looked for."""
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, hidden=128, intermediate=128,
+                           experts=4, top_k=2, layers=1)  # fmt: skip
+    for m in ("100000000000000000000", "1,65537"):
+        assert main(["tune", str(ckpt), "--m", m]) == 2
+        err = capsys.readouterr().err
+        assert f"--m='{m}': batch size {m.split(',')[-1]} is larger than 65536 tokens; supported: 1..65536" in err

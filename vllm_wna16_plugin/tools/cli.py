@@ -9,9 +9,9 @@ The exit status follows grep's and diff's convention:
     2  it could not run: a usage error (argparse), or an error (user_errors()): a missing,
        unreadable or corrupt file, a broken config.json, a checkpoint or value the plugin refuses
 
-With VLLM_WNA16_DEBUG=1 (or true/yes/on) the error is raised with its traceback instead. Any other
-exception is a bug and keeps its traceback. A reader that stops early (`vllm-wna16 doctor DIR | head`)
-ends the command quietly.
+With VLLM_WNA16_DEBUG=1 (or true/yes/on) the error is raised with its traceback instead (0/false/no/off or
+unset: one line; another value is itself an error). Any other exception is a bug and keeps its traceback.
+A reader that stops early (`vllm-wna16 doctor DIR | head`) ends the command quietly.
 """
 
 from __future__ import annotations
@@ -33,9 +33,15 @@ EPILOG = (
 
 
 def debug_on(environ=None) -> bool:
-    """VLLM_WNA16_DEBUG: 1/true/yes/on show an error's traceback; unset, 0/false/no/off do not."""
-    value = (os.environ if environ is None else environ).get(DEBUG_ENV, "").strip().lower()
-    return value not in ("", "0", "false", "no", "off")
+    """VLLM_WNA16_DEBUG: 1/true/yes/on show an error's traceback; unset, 0/false/no/off do not; anything else is a
+    ValueError naming the variable (main reports it before the verb runs)."""
+    raw = (os.environ if environ is None else environ).get(DEBUG_ENV, "")
+    value = raw.strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{DEBUG_ENV}={raw!r} is not understood; use 1 (show an error's traceback) or 0 (one line)")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -168,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # named by the verb's own parser (the top-level one would report them under `vllm-wna16`)
         parser.verbs[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        debug = debug_on()  # read once, before the verb: a bad value is this command's error, not a traceback
+    except ValueError as exc:
+        print(f"vllm-wna16 {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
         if args.command == "demo":  # builds vLLM layers without a vLLM entry point: configure its logger as one would
             for name in DEPRECATION_NOISE:  # torch's notes while vLLM is imported to configure it
                 logging.getLogger(name).setLevel(logging.ERROR)
@@ -180,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except user_errors() as exc:
-        if debug_on():
+        if debug:
             raise
         sys.stdout.flush()  # the verb's output so far comes first
         print(f"vllm-wna16 {args.command}: error: {error_message(exc)}", file=sys.stderr)

@@ -178,11 +178,12 @@ def generate_on_gpu(path: Path, prompts: list[str], args: argparse.Namespace) ->
 
 
 def add_demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=None,
-                   help="checkpoint directory, kept (default: a temporary directory, removed at the end unless --keep)")  # fmt: skip
+    where = p.add_mutually_exclusive_group()  # --out names where to write; --checkpoint writes nothing
+    where.add_argument("--out", default=None, type=_directory,
+                       help="checkpoint directory, kept (default: a temporary directory, removed at the end unless --keep)")  # fmt: skip
+    where.add_argument("--checkpoint", default=None, type=_directory,
+                       help="run an existing make-checkpoint directory instead of writing one (the shape flags are ignored)")  # fmt: skip
     p.add_argument("--keep", action="store_true", help="keep the temporary checkpoint and print where it is")
-    p.add_argument("--checkpoint", default=None,
-                   help="run an existing make-checkpoint directory instead of writing one (the shape flags are ignored)")  # fmt: skip
     p.add_argument("--format", dest="fmt", choices=FORMATS, default="gptq")
     p.add_argument("--bits", type=int, choices=(4, 8), default=4)
     p.add_argument("--group-size", type=int, default=32, help="-1 = channel-wise (default 32)")
@@ -200,6 +201,14 @@ def add_demo_args(p: argparse.ArgumentParser) -> None:
     gpu.add_argument("--attention-backend", default=None, help="vLLM attention backend, e.g. TRITON_ATTN")
     gpu.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     gpu.add_argument("--gpu-memory-utilization", type=_fraction, default=0.3, help="in (0, 1] (default 0.3)")
+
+
+def _directory(text: str) -> str:
+    """argparse type: a non-empty path. An empty one (`--checkpoint "$UNSET"`) read as "not given" ran the default
+    demo instead of the checkpoint asked for, and wrote a temporary checkpoint it then removed for `--out ''`."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path names no directory; give one, or leave the flag out")
+    return text
 
 
 def _prompt(text: str) -> str:

@@ -51,6 +51,9 @@ from vllm_wna16_plugin.user_tables import ENV_DIR, tuned_dir, write_atomically
 logger = _vllm.init_logger(__name__)
 
 DEFAULT_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# the largest --m: beyond a serving step's size (vLLM's max_num_batched_tokens), and where the bench's own
+# activations and float32 reference would no longer fit a GPU for large models (a bigger one was a traceback)
+MAX_M = 65536
 MAX_REL_RMS = 1e-2  # a candidate whose output is further from the float32 reference is wrong
 L2_COLD_BYTES = 200e6  # rotating weight copies touch at least this much per replay (H200 L2: 50 MB)
 MAX_COPIES = 8
@@ -368,7 +371,7 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="checkpoint directory with config.json (only config.json is read)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size the model is served at (default 1)")
     p.add_argument("--m", default=",".join(map(str, DEFAULT_M)),
-                   help="batch sizes (tokens per step) to tune, comma-separated (default %(default)s)")  # fmt: skip
+                   help="batch sizes (tokens per step, 1..65536) to tune, comma-separated (default %(default)s)")  # fmt: skip
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="activation dtype")
     p.add_argument("--budget-s", type=float, default=600.0, help="seconds of exploration in all (default 600)")
     p.add_argument("--reps", type=int, default=10, help="CUDA-graph replays per time (median; default 10)")
@@ -384,6 +387,8 @@ def run_tune(args) -> int:
         raise ValueError(f"--m={args.m!r} is not a comma-separated list of token counts, e.g. 1,8,64") from None
     if not ms or any(m < 1 for m in ms):
         raise ValueError(f"--m={args.m!r}: every batch size must be a positive int")
+    if max(ms) > MAX_M:
+        raise ValueError(f"--m={args.m!r}: batch size {max(ms)} is larger than {MAX_M} tokens; supported: 1..{MAX_M}")
     if args.reps < 1:
         raise ValueError(f"--reps={args.reps}: the replays per time (a median) must be at least 1")
     if not (math.isfinite(args.budget_s) and args.budget_s > 0):

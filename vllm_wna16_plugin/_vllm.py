@@ -18,7 +18,7 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | ...fused_moe.config.int4_w4a16_moe_quant_config / int8_w8a16_moe_quant_config | `get_fused_moe_quant_config` (read by vLLM's runner) | 0.26-0.34 | - |
 | RoutedExperts._map_global_expert_id_to_local_expert_id | expert-parallel weight loading | 0.26-0.34 | vLLM exposes the map publicly |
 | RoutedExperts.global_num_experts / expert_map | every expert's scheme checked at config time (`layer_global_experts`); EP routing | 0.26-0.34 | - |
-| RoutedExperts.ckpt_gate_proj_name / ckpt_up_proj_name / ckpt_down_proj_name | the names a layer's rules are probed with, as vLLM's compressed-tensors MoE method probes them (`layer_expert_names`: Mixtral's w1/w3/w2) | 0.34.0 checked (the layer's `ckpt_names`; read with the default names where absent) | - |
+| RoutedExperts.ckpt_gate_proj_name / ckpt_up_proj_name / ckpt_down_proj_name | the names a layer's rules are probed with, as vLLM's compressed-tensors MoE method probes them (`layer_expert_names`: Mixtral's w1/w3/w2) | 0.26-0.34 (RoutedExperts' constructor arguments, default gate_proj/up_proj/down_proj; read with those defaults where absent) | - |
 | FusedMoEConfig.tp_rank / tp_size / moe_backend | TP sharding and `--moe-backend` | 0.26-0.34 | - |
 | config.kernel.MoEBackend (Literal) | vLLM's `--moe-backend` names, for a precise refusal (`vllm_moe_backend_names`) | 0.26-0.34, names added over time (0.34: batched_triton, b12x, rdna3, ...) | - |
 | ...linear.LinearBase, UnquantizedLinearMethod | delegation of linear layers | 0.26-0.34 | - |

@@ -343,3 +343,30 @@ def test_a_composed_layer_hands_large_batches_to_humming_or_falls_back(vllm_cpu,
         assert "second copy of its experts in Humming's layout" in text and fake.prepared == 1
         assert bool((out == 7).all()), "M=6 did not run on Humming"
         assert layer.quant_method.runner.plan(6).backend == "humming"
+
+
+@pytest.mark.interpreter
+def test_processing_an_act_order_layer_again_without_a_load_keeps_it_right(vllm_cpu, monkeypatch):
+    """process_weights_after_loading leaves an act-order layer's parameters sorted by g_idx (which keeps the
+    checkpoint's order). Called a second time with nothing loaded in between, it sorted the sorted weights again:
+    a silently wrong layer (max error 0.36 here, tolerance 0.003). It is a no-op now; a load in between reprocesses."""
+    from tests.kernels import test_act_order as act
+
+    monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", "triton")  # sorts act order at load (the interpreter on CPU)
+    gen = torch.Generator().manual_seed(31)
+    w13, w2, weights = act._gptq_checkpoint(gen)
+    layer = build_moe_layer(vllm_cpu, act.RAW_GPTQ_ACT, E=act.E, H=act.H, I=act.I, top_k=act.TOP_K)
+    method = layer.quant_method
+    list(layer.load_weights(weights))
+    method.process_weights_after_loading(layer)
+    assert method.runner.states["triton"].a_perm is not None  # the parameters now hold the sorted layout
+    method.process_weights_after_loading(layer)
+    x = torch.randn(5, act.H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(act.E, generator=gen)[: act.TOP_K] for _ in range(5)])
+    w = torch.rand(5, act.TOP_K, generator=gen)
+    _assert_close(_forward(layer, x, w, ids), fused_moe_ref(x, w13, w2, w, ids), "processed twice")
+    # a full load after processing brings back the checkpoint layout, which is processed again
+    w13b, w2b, weights_b = act._gptq_checkpoint(gen)
+    list(layer.load_weights(weights_b))
+    method.process_weights_after_loading(layer)
+    _assert_close(_forward(layer, x, w, ids), fused_moe_ref(x, w13b, w2b, w, ids), "loaded again, processed")

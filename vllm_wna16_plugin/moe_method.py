@@ -115,6 +115,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             self.params_dtype = params_dtype
             self.num_local_experts = num_experts
             self.loaded: set[tuple[str, int, str]] = set()
+            self.processed = False  # process_weights_after_loading ran and nothing was loaded since
             names = CHECKPOINT_NAMES[scheme.pack_format]
             self.param_names: dict[tuple[str, str], str] = {}
             for (gemm, kind), (shape, dtype) in kernel_param_shapes(scheme, shapes, num_experts).items():
@@ -174,6 +175,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                         )
                     dst.copy_(piece.to(dst.device))
                 method.loaded.add((param_name, local, shard_id))
+                method.processed = False  # the parameters hold checkpoint-layout data again: process it
                 return True if return_success else None
 
             return weight_loader
@@ -198,6 +200,12 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             return [str(self._ckpt_name(layer, to_global.get(e, e), shard, kind)) for e, shard, kind in missing]
 
         def process_weights_after_loading(self, layer) -> None:
+            if self.processed:
+                # Called again with nothing loaded since: the parameters already hold the processed layout (act
+                # order sorted by its g_idx, which keeps the checkpoint's order), and the runner is built on them.
+                # Processing them again would sort sorted weights: a silently wrong layer.
+                logger.debug("moe_wna16_plus: %s: already processed, nothing loaded since", self.prefix)
+                return
             missing = self._missing(layer)
             if missing:
                 more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -260,6 +268,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                     if kind in ("qweight", "scales", "qzeros") and new is not None:
                         getattr(layer, name).data = new
                 self.tensors = sorted_state
+            self.processed = True
 
         def _compose(self, layer) -> None:
             """Under auto, let Humming (vLLM 0.34's default, where installed) take the batch sizes it runs

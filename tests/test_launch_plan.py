@@ -192,6 +192,40 @@ def test_layer_device_of_a_described_problem_is_the_plan_device():
 # ---------------------------------------------------------------- what runs is what was planned
 
 
+def test_a_runner_refreshes_every_prepared_tensor_in_place_or_nothing():
+    """LayerRunner.refresh_in_place (vLLM's reload_weights, moe_method): every tensor of the layer's weights and of
+    each backend's state, nested in dataclasses, dicts and tuples, takes the new runner's values in its own
+    storage; a runner of another shape copies nothing."""
+    from vllm_wna16_plugin.backends import KernelTensors
+    from vllm_wna16_plugin.ops import make_problem
+
+    from .kernels.conftest import make_moe_problem
+
+    def runner(seed, inter=64):
+        p = make_moe_problem(M=3, H=128, inter=inter, E=4, top_k=2, bits=4, gs1=32, gs2=32, zp=False,
+                             dtype=torch.bfloat16, seed=seed)  # fmt: skip
+        args = p.args()
+        problem = make_problem(args[0], *args[1:5], args[6], bits=4, group_size=32, has_zero_point=False)
+        r = LayerRunner(select_backend(problem, "reference", "test"), KernelTensors(*args[1:5]))
+        r.states["reference"] = {"prepared": (r.tensors.w13_scales * 2, {"table": torch.randn(3, 5)}), "n": seed}
+        return r
+
+    old, new = runner(1), runner(2)
+    tensors = [t for t in (old.tensors.w13_qweight, old.tensors.w2_scales, old.states["reference"]["prepared"][0],
+                           old.states["reference"]["prepared"][1]["table"])]  # fmt: skip
+    ptrs = [t.data_ptr() for t in tensors]
+    assert not torch.equal(old.tensors.w13_qweight, new.tensors.w13_qweight)  # two layers' weights
+    assert old.refresh_in_place(new)
+    assert [t.data_ptr() for t in tensors] == ptrs
+    assert torch.equal(old.tensors.w13_qweight, new.tensors.w13_qweight)
+    assert torch.equal(old.tensors.w2_scales, new.tensors.w2_scales)
+    assert torch.equal(old.states["reference"]["prepared"][0], new.states["reference"]["prepared"][0])
+    assert torch.equal(old.states["reference"]["prepared"][1]["table"], new.states["reference"]["prepared"][1]["table"])
+    other = runner(3, inter=96)
+    kept = old.tensors.w13_qweight.clone()
+    assert not old.refresh_in_place(other) and torch.equal(old.tensors.w13_qweight, kept)
+
+
 @pytest.mark.interpreter
 def test_the_runner_launches_the_configs_its_plan_names(monkeypatch):
     from vllm_wna16_plugin.kernels.triton import fused_moe

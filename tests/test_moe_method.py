@@ -370,3 +370,59 @@ def test_processing_an_act_order_layer_again_without_a_load_keeps_it_right(vllm_
     list(layer.load_weights(weights_b))
     method.process_weights_after_loading(layer)
     _assert_close(_forward(layer, x, w, ids), fused_moe_ref(x, w13b, w2b, w, ids), "loaded again, processed")
+
+
+class _Model(torch.nn.Module):
+    """The smallest model vLLM's reload lifecycle drives: one MoE layer and its load_weights."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.experts = layer
+
+    def load_weights(self, weights):
+        return set(self.experts.load_weights(weights))
+
+
+def _runner_tensors(runner):
+    from vllm_wna16_plugin.launch_plan import _tensor_leaves
+
+    return [t for _, t in _tensor_leaves((runner.tensors, runner.states))]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_vllm_reload_weights_refreshes_the_kernels_tensors_in_place(vllm_cpu, monkeypatch, backend):
+    """vLLM's reload_weights (layerwise: initialize, load_weights, finalize) processes the layer on
+    temporary parameters and copies them into the layer's own. The runner kept the temporary ones: a second copy
+    of the experts per layer, and CUDA graphs captured before the reload read the old sorted / repacked tensors.
+    Now the reloaded weights go into the runner's own tensors: same runner, same storage, the new numbers."""
+    from vllm.model_executor.model_loader.reload.layerwise import (  # reload_weights' steps, vLLM 0.26-0.34
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+        record_metadata_for_reloading,
+    )
+
+    from tests.kernels import test_act_order as act
+
+    monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", backend)  # triton sorts act order at load
+    gen = torch.Generator().manual_seed(37)
+    w13, w2, weights = act._gptq_checkpoint(gen)
+    layer = build_moe_layer(vllm_cpu, act.RAW_GPTQ_ACT, E=act.E, H=act.H, I=act.I, top_k=act.TOP_K)
+    model = _Model(layer)
+    record_metadata_for_reloading(model)
+    model.load_weights(weights)
+    method = layer.quant_method
+    method.process_weights_after_loading(layer)
+    runner = method.runner
+    before = [(t.data_ptr(), t.shape) for t in _runner_tensors(runner)]
+    x = torch.randn(5, act.H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(act.E, generator=gen)[: act.TOP_K] for _ in range(5)])
+    w = torch.rand(5, act.TOP_K, generator=gen)
+    _assert_close(_forward(layer, x, w, ids), fused_moe_ref(x, w13, w2, w, ids), "loaded")
+    w13b, w2b, weights_b = act._gptq_checkpoint(gen)  # another act order too: the sorted layout changes
+    initialize_layerwise_reload(model)
+    model.load_weights(weights_b)
+    finalize_layerwise_reload(model, vllm_cpu.model_config)
+    assert layer.quant_method.runner is runner
+    assert [(t.data_ptr(), t.shape) for t in _runner_tensors(runner)] == before
+    _assert_close(_forward(layer, x, w, ids), fused_moe_ref(x, w13b, w2b, w, ids), "reloaded")

@@ -270,6 +270,22 @@ def compose_with_humming(selection: Selection) -> Selection:
     return dataclasses.replace(selection, problem=composed)
 
 
+def _tensor_leaves(obj: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
+    """Every tensor reachable from a runner's state through dataclass fields, dicts, lists and tuples, with its
+    path, in a fixed order (other objects, such as vLLM's functions and configs, hold none of the layer's)."""
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, dict):
+        items = sorted(obj.items(), key=lambda kv: str(kv[0]))
+    elif isinstance(obj, (list, tuple)):
+        items = list(enumerate(obj))
+    else:
+        return []
+    return [leaf for key, value in items for leaf in _tensor_leaves(value, (*path, key))]
+
+
 MAX_LAYER_PLANS = 1024  # a layer's index of plans by batch size (the plans themselves are shared: _plan)
 
 
@@ -304,6 +320,26 @@ class LayerRunner:
                 self._plans.clear()
             found = self._plans[num_tokens] = plan(self.problem, num_tokens, self.device, selection=self.selection)
         return found
+
+    def refresh_in_place(self, new: LayerRunner) -> bool:
+        """Take `new`'s weights (a runner built on reloaded weights of the same layer) into this runner's own
+        tensors, copying each into the one in the same place: the packed weights, the sorted act-order layout and
+        every backend's prepared copy (group-major scales, Marlin's and Humming's layouts). Kernels, and CUDA
+        graphs captured on them, keep reading these tensors, and `new`'s copies can be dropped. False (nothing
+        copied) where the two differ in problem, backends or the shape, dtype or device of any tensor."""
+        if new.problem != self.problem or new.backends.keys() != self.backends.keys():
+            return False
+        mine, theirs = _tensor_leaves((self.tensors, self.states)), _tensor_leaves((new.tensors, new.states))
+        if [path for path, _ in mine] != [path for path, _ in theirs] or any(
+            (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device)
+            for (_, a), (_, b) in zip(mine, theirs, strict=True)
+        ):
+            return False
+        with torch.no_grad():
+            for (_, a), (_, b) in zip(mine, theirs, strict=True):
+                if a.data_ptr() != b.data_ptr() or a.stride() != b.stride():
+                    a.copy_(b)
+        return True
 
     def run(
         self,

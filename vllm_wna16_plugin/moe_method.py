@@ -251,7 +251,19 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                                                   act_order_padded=padded)  # fmt: skip
                 self._select(layer)
             self._compose(layer)
-            self.runner = self._build_runner()
+            runner = self._build_runner()
+            if self.runner is not None and self.runner.refresh_in_place(runner):
+                # processed again after a reload (vLLM's reload_weights processes temporary parameters, then
+                # copies them into the layer's own): the new weights go into the tensors the kernels and any
+                # captured CUDA graphs read, and the temporary copies are not kept
+                runner = self.runner
+                self.tensors = runner.tensors
+            elif self.runner is not None:
+                logger.warning(
+                    "moe_wna16_plus: %s: the reloaded layer's kernel state was rebuilt (its plan changed): CUDA graphs "
+                    "captured before the reload read the old weights", self.prefix,
+                )  # fmt: skip
+            self.runner = runner
             sorted_state = self.runner.tensors if self.runner.tensors.a_perm is not None else None
             if sorted_state is None:  # a single backend that sorts in its own prepare
                 sorted_state = next(

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_wna16_plugin import crossover
-from vllm_wna16_plugin.backends import MoEProblem, RunOptions, registry
+from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, RunOptions, registry
 from vllm_wna16_plugin.backends.base import layer_device
 from vllm_wna16_plugin.backends.cuda import layer_ranges
 from vllm_wna16_plugin.checkpoint_config import effective_group_size
@@ -348,3 +348,126 @@ def test_groups_no_triton_tile_can_hold_go_to_reference_with_the_reason(H, inter
     for fine in (8, 48):
         ok = dataclasses.replace(problem, hidden=96, intermediate=48, group_size_w13=fine, group_size_w2=fine)
         assert registry()["triton"].incompatibility_reason(ok) is None
+
+
+# ---------------------------------------------------------------- odd shapes no table was tuned for
+
+# Hidden sizes and per-rank intermediate sizes of real MoE models after tensor-parallel splits, biased to the
+# K and N tails no tuned table covers (a shape sweep of 2026-12-06: every plan legal on sm90, sm80 and the
+# interpreter, every interpreter run within the tolerance below).
+ODD_HIDDEN = (1536, 2048, 2560, 2880, 3584, 4096, 5120, 6144, 7168)
+ODD_INTER = (64, 96, 128, 176, 192, 320, 352, 384, 704, 720, 768, 1408, 2816)
+ODD_GROUPS = (32, 64, 128, CHANNELWISE)
+
+
+def _odd_layer(rng, hidden, inter, bits=None, gs=None, act_order=None):
+    """A random layer of the given sizes as the plugin builds it for one rank (or None where loading refuses it):
+    (scheme, tp, MoEProblem kwargs without E and the device). bits, gs, act_order: drawn unless given."""
+    tp, bits, gs = rng.choice((1, 1, 2, 4)), bits or rng.choice((4, 8)), gs or rng.choice(ODD_GROUPS)
+    act_order = gs != CHANNELWISE and (rng.random() < 0.25 if act_order is None else act_order)
+    scheme = WNA16Scheme(bits, gs, rng.random() < 0.5, PackFormat.GPTQ, desc_act=act_order, source="test")
+    try:
+        gs13 = effective_group_size(scheme, hidden, layer="gate/up")
+        gs2 = effective_group_size(scheme, inter, layer="down", tp_size=tp, full_size_k=inter * tp)
+    except ValueError as exc:  # refused at build, with the TP sizes that would work
+        assert "tensor-parallel sizes that work" in str(exc)
+        return None
+    kw = dict(scheme=scheme, hidden=hidden, intermediate=inter, group_size_w13=gs13, group_size_w2=gs2,
+              act_dtype=rng.choice((torch.bfloat16, torch.float16)), has_g_idx=act_order,
+              act_order_padded=act_order and tp > 1)  # fmt: skip
+    return scheme, tp, kw
+
+
+@pytest.mark.interpreter
+def test_odd_real_shapes_plan_legally_everywhere_and_run_right_in_the_interpreter():
+    import random
+
+    from vllm_wna16_plugin.kernels.triton.fused_moe import fused_moe_wna16_triton
+    from vllm_wna16_plugin.reference import fused_moe_wna16_ref
+
+    from .kernels.conftest import assert_close_scaled, quantized_experts
+
+    rng = random.Random(20261206)
+    planned = 0
+    for _ in range(40):  # plans: any E, top_k and expert-parallel split, every device, every batch size of the sweep
+        layer = _odd_layer(rng, rng.choice(ODD_HIDDEN), rng.choice(ODD_INTER))
+        if layer is None:
+            continue
+        top_k = rng.choice((1, 2, 4, 6, 8, 10))
+        e_global = rng.choice([e for e in (8, 16, 40, 60, 64, 128, 256, 512) if e >= top_k])
+        e_local = e_global // rng.choice((1, 1, 2, 4))
+        for name in ("sm90", "sm80", "interpreter"):
+            device = PLAN_DEVICES.get(name, DeviceSpec("interpreter"))
+            problem = MoEProblem(**layer[2], num_experts=e_local, global_num_experts=e_global, top_k=top_k,
+                                 use_ep=e_local < e_global, platform="cpu" if name == "interpreter" else "cuda",
+                                 sm=device.sm, options=PLAN_ONLY if name != "interpreter" else RunOptions())  # fmt: skip
+            for requested in ("auto", "triton", "cuda"):
+                try:
+                    selection = select_backend(problem, requested, "test")
+                except ValueError as exc:  # an explicit backend that cannot run it says why
+                    assert requested != "auto" and "cannot run" in str(exc)
+                    continue
+                for m in (1, 2, 3, 5, 17, 33, 65, 130, 257):
+                    p = plan(problem, m, device, selection=selection)
+                    assert "why: layer backend" in p.describe()
+                    if p.backend == "triton":
+                        for choice, k, gs in ((p.launch.gemm1, problem.hidden, problem.group_size_w13),
+                                              (p.launch.gemm2, problem.intermediate, problem.group_size_w2)):  # fmt: skip
+                            choice.config.check_shape(k, gs)  # what the launcher checks
+                    elif p.backend == "cuda" and extension_error() is None:
+                        for cfg, k, gs in ((p.launch.gemm1, problem.hidden, problem.group_size_w13),
+                                           (p.launch.gemm2, problem.intermediate, problem.group_size_w2)):  # fmt: skip
+                            assert launch_config_error(k, k // gs, cfg, problem.scheme.bits) == ""
+                    planned += 1
+    assert planned > 1000, planned
+
+    ran = 0
+    kinds = ((4, 32, True), (8, 64, False), (4, 128, False), (4, CHANNELWISE, False))  # (bits, group, act order)
+    while ran < len(kinds):  # the interpreter: small E and few tokens, the real K and N tails
+        layer = _odd_layer(rng, rng.choice(ODD_HIDDEN[:4]), rng.choice((96, 176, 320, 352)), *kinds[ran])
+        if layer is None or layer[1] > 1 and layer[0].desc_act:  # act order on a TP rank: tests/kernels/test_act_order
+            continue
+        scheme, _, kw = layer
+        bits, dtype, E, m = scheme.bits, kw["act_dtype"], 4, rng.choice((1, 2, 3))
+        top_k = rng.choice((1, 2)) if m == 1 else 1  # at most 3 routed pairs: the interpreter runs a program at a time
+        gen = torch.Generator().manual_seed(ran)
+        w13 = quantized_experts(E, 2 * kw["intermediate"], kw["hidden"], bits, kw["group_size_w13"],
+                                scheme.has_zero_point, dtype, gen)  # fmt: skip
+        w2 = quantized_experts(E, kw["hidden"], kw["intermediate"], bits, kw["group_size_w2"], scheme.has_zero_point,
+                               dtype, gen)  # fmt: skip
+        g13 = g2 = None
+        if scheme.desc_act:
+            g = torch.stack([torch.randperm(kw["hidden"], generator=gen) // kw["group_size_w13"] for _ in range(E)])
+            g13 = torch.stack([g, g], 1).to(torch.int32)
+            g2 = torch.stack([torch.randperm(kw["intermediate"], generator=gen) // kw["group_size_w2"]
+                              for _ in range(E)]).to(torch.int32)  # fmt: skip
+        tensors = KernelTensors(w13.qweight, w2.qweight, w13.scales, w2.scales, w13.qzeros, w2.qzeros, g13, g2)
+        e_global = 2 * E if rng.random() < 0.5 else E  # expert-parallel: half the experts elsewhere
+        expert_map = None
+        logits = torch.randn(m, e_global, generator=gen)
+        if e_global > E:
+            expert_map = torch.full((e_global,), -1, dtype=torch.int32)
+            local = torch.randperm(e_global, generator=gen)[:E]
+            expert_map[local] = torch.arange(E, dtype=torch.int32)
+            logits[0, local[0]] += 10.0  # token 0 picks a local expert
+        weights, ids = torch.topk(logits.softmax(-1), top_k, dim=-1)
+        ids = ids.to(torch.int32)
+        x = torch.randn(m, kw["hidden"], generator=gen).to(dtype)
+        ref = fused_moe_wna16_ref(x, *tensors.weights(), weights, ids, bits=bits, w13_qzeros=w13.qzeros,
+                                  w2_qzeros=w2.qzeros, expert_map=expert_map, w13_g_idx=g13, w2_g_idx=g2)  # fmt: skip
+        problem = MoEProblem(**kw, num_experts=E, global_num_experts=e_global, top_k=top_k, use_ep=e_global > E)
+        runner = LayerRunner(select_backend(problem, "triton", "test"), tensors)
+        what = f"{problem.describe()}, M={m}"
+        ran += 1
+        if ran % 2:
+            assert_close_scaled(runner.run(x, weights, ids, expert_map), ref, dtype, f"interpreter plan: {what}")
+            continue
+        # the tiles an H200 plans for the model's own expert count (tuned tables or the heuristic)
+        real = dataclasses.replace(problem, num_experts=128, global_num_experts=128, platform="cuda", sm=90,
+                                   options=PLAN_ONLY)  # fmt: skip
+        configs = plan(real, m, H200, selection=select_backend(real, "triton", "test")).launch.configs
+        s = runner.tensors
+        out = fused_moe_wna16_triton(x, *s.weights(), weights, ids, bits=bits, w13_qzeros=s.w13_qzeros,
+                                     w2_qzeros=s.w2_qzeros, expert_map=expert_map, global_num_experts=e_global,
+                                     a_perm=s.a_perm, configs=configs, use_td=False)  # fmt: skip
+        assert_close_scaled(out, ref, dtype, f"sm90 plan {configs}: {what}")

@@ -224,6 +224,18 @@ def test_a_runner_refreshes_every_prepared_tensor_in_place_or_nothing():
     other = runner(3, inter=96)
     kept = old.tensors.w13_qweight.clone()
     assert not old.refresh_in_place(other) and torch.equal(old.tensors.w13_qweight, kept)
+    # a tensor the walk cannot follow (an object's attribute, a partial's argument): no refresh, nothing copied
+    import functools
+    import types
+
+    for hide in (lambda t: types.SimpleNamespace(table=t), lambda t: functools.partial(torch.add, t)):
+        a, b = runner(4), runner(5)
+        a.states["reference"]["hidden"], b.states["reference"]["hidden"] = hide(torch.zeros(2)), hide(torch.ones(2))
+        kept = a.tensors.w13_qweight.clone()
+        assert not a.refresh_in_place(b) and torch.equal(a.tensors.w13_qweight, kept)
+    a, b = runner(6), runner(7)  # functions, modules and classes hold none of the layer's tensors
+    a.states["reference"]["pieces"] = b.states["reference"]["pieces"] = {"f": torch.add, "m": torch, "t": dict}
+    assert a.refresh_in_place(b)
 
 
 @pytest.mark.interpreter

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,9 +271,14 @@ def compose_with_humming(selection: Selection) -> Selection:
     return dataclasses.replace(selection, problem=composed)
 
 
+class _OpaqueState(Exception):
+    """A runner's state holds a tensor where _tensor_leaves cannot follow it (refresh_in_place then rebuilds)."""
+
+
 def _tensor_leaves(obj: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
     """Every tensor reachable from a runner's state through dataclass fields, dicts, lists and tuples, with its
-    path, in a fixed order (other objects, such as vLLM's functions and configs, hold none of the layer's)."""
+    path, in a fixed order. Other objects (vLLM's functions, modules, scalar types, Humming's configs) must hold
+    no tensor among their own attributes or a partial's arguments: else _OpaqueState."""
     if isinstance(obj, torch.Tensor):
         return [(path, obj)]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -282,6 +288,14 @@ def _tensor_leaves(obj: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor
     elif isinstance(obj, (list, tuple)):
         items = list(enumerate(obj))
     else:
+        if isinstance(obj, functools.partial):
+            held = [*obj.args, *obj.keywords.values()]
+        elif isinstance(obj, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)):
+            held = []
+        else:
+            held = list(getattr(obj, "__dict__", {}).values())
+        if any(isinstance(v, torch.Tensor) for v in held):
+            raise _OpaqueState(f"{'.'.join(map(str, path)) or 'state'}: a {type(obj).__name__} holds tensors")
         return []
     return [leaf for key, value in items for leaf in _tensor_leaves(value, (*path, key))]
 
@@ -326,10 +340,14 @@ class LayerRunner:
         tensors, copying each into the one in the same place: the packed weights, the sorted act-order layout and
         every backend's prepared copy (group-major scales, Marlin's and Humming's layouts). Kernels, and CUDA
         graphs captured on them, keep reading these tensors, and `new`'s copies can be dropped. False (nothing
-        copied) where the two differ in problem, backends or the shape, dtype or device of any tensor."""
+        copied) where the two differ in problem, backends or the shape, dtype or device of any tensor, or where a
+        state holds tensors the walk cannot follow (_tensor_leaves)."""
         if new.problem != self.problem or new.backends.keys() != self.backends.keys():
             return False
-        mine, theirs = _tensor_leaves((self.tensors, self.states)), _tensor_leaves((new.tensors, new.states))
+        try:
+            mine, theirs = _tensor_leaves((self.tensors, self.states)), _tensor_leaves((new.tensors, new.states))
+        except _OpaqueState:
+            return False
         if [path for path, _ in mine] != [path for path, _ in theirs] or any(
             (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device)
             for (_, a), (_, b) in zip(mine, theirs, strict=True)

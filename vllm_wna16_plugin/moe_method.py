@@ -74,6 +74,14 @@ def kernel_param_shapes(scheme: WNA16Scheme, shapes: MoEShapes, num_experts: int
     return out
 
 
+def _sorted_state(runner: LayerRunner) -> KernelTensors | None:
+    """The act-order layout a layer's runner reads (backends.base.sort_act_order), shared by its backends or made
+    by the one backend's prepare; None without act order."""
+    if runner.tensors.a_perm is not None:
+        return runner.tensors
+    return next((s for s in runner.states.values() if getattr(s, "a_perm", None) is not None), None)
+
+
 def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
     base = _vllm.fused_moe_method_base()
 
@@ -259,16 +267,27 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 runner = self.runner
                 self.tensors = runner.tensors
             elif self.runner is not None:
+                before, after = _sorted_state(self.runner), _sorted_state(runner)
+                if (
+                    before is not None
+                    and after is not None
+                    and self.shapes.tp_size > 1
+                    and (before.w2_qweight.shape != after.w2_qweight.shape)
+                ):
+                    # the layer's parameters hold the first load's padded layout, which vLLM's reload copies the
+                    # new one into: another size cannot go there
+                    raise ValueError(
+                        f"moe_wna16_plus: {self.prefix}: the reloaded weights have another act order, which pads this "
+                        f"tensor-parallel rank's down projection to {after.w2_qweight.shape[-1]} packed K columns "
+                        f"instead of the loaded layer's {before.w2_qweight.shape[-1]}; a reload keeps the layer's "
+                        "tensor shapes. Restart the engine with the new checkpoint instead of reloading it"
+                    )
                 logger.warning(
                     "moe_wna16_plus: %s: the reloaded layer's kernel state was rebuilt (its plan changed): CUDA graphs "
                     "captured before the reload read the old weights", self.prefix,
                 )  # fmt: skip
             self.runner = runner
-            sorted_state = self.runner.tensors if self.runner.tensors.a_perm is not None else None
-            if sorted_state is None:  # a single backend that sorts in its own prepare
-                sorted_state = next(
-                    (s for s in self.runner.states.values() if getattr(s, "a_perm", None) is not None), None
-                )
+            sorted_state = _sorted_state(runner)
             if sorted_state is not None:
                 # act order, sorted by the backend (backends.base.sort_act_order): the layer's parameters
                 # take the sorted tensors so that one copy stays in memory (g_idx keeps the checkpoint's

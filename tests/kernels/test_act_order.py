@@ -544,6 +544,36 @@ def test_padded_act_order_reloads_through_vllms_layerwise_reload(vllm_cpu, monke
     assert_close_scaled(out, exact, BF16, "rank 1 after reload")
 
 
+def test_a_reload_with_another_padded_act_order_is_refused_by_name(vllm_cpu, monkeypatch):
+    # a tensor-parallel rank's padded size follows the act order; vLLM's reload copies the new layout into the
+    # loaded layer's tensors, so another size failed inside vLLM (a shape mismatch in its copy). Named now.
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+        record_metadata_for_reloading,
+    )
+
+    own = slice(I // 2, I)
+
+    def i_pad(g_i):  # rank 1's rows of each group, padded to runs of 16 (sort_act_order's padding at this shape)
+        counts = torch.stack([torch.bincount(g_i[e, own].long(), minlength=I // GS) for e in range(E)])
+        return int(((counts + 15) // 16 * 16).sum(-1).max())
+
+    gen = torch.Generator().manual_seed(5)
+    orders = [(act_order_g_idx(E, H, GS, gen), act_order_g_idx(E, I, GS, gen)) for _ in range(400)]
+    first = orders[0]
+    other = next(o for o in orders[1:] if i_pad(o[1]) != i_pad(first[1]))
+    layer = _tp_layer(vllm_cpu, monkeypatch, 1, 2, "triton")
+    record_metadata_for_reloading(layer)
+    list(layer.load_weights(_gptq_checkpoint(gen, g_idx=first)[2]))
+    layer.quant_method.process_weights_after_loading(layer)
+    initialize_layerwise_reload(layer)
+    with pytest.raises(ValueError, match=r"another act order, which pads this tensor-parallel rank's down "
+                                         r"projection .* Restart the engine"):  # fmt: skip
+        list(layer.load_weights(_gptq_checkpoint(gen, g_idx=other)[2]))
+        finalize_layerwise_reload(layer, vllm_cpu.model_config)
+
+
 # ---------------------------------------------------------------- GPU code generation, without a GPU
 
 

@@ -329,19 +329,37 @@ CUDA_FORMS = {
 }
 
 
-# plugin-triton-alt reads its tuned configs from this directory (--alt-config-dir): candidate entries
-# timed side by side with the shipped ones (plugin-triton-auto) in the same run
-ALT_CONFIG_DIR: Path | None = None
+# plugin-triton-alt reads its tuned configs from the directory --alt-config-dir DIR names, plugin-triton-alt-NAME
+# from the one --alt-config-dir NAME=DIR names: candidate entries (or candidate rules written as tables by
+# bench/heuristic_tables.py) timed side by side with the shipped ones (plugin-triton-auto) in the same run
+ALT_CONFIG_DIRS: dict[str, Path] = {}
+ALT_PREFIX = "plugin-triton-alt"
+
+
+def alt_config_dirs(specs: list[str]) -> dict[str, Path]:
+    """--alt-config-dir values ("DIR" or "NAME=DIR") -> {provider name: directory}; ValueError for a NAME used twice
+    or one that is not a plain word."""
+    out = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        prov = f"{ALT_PREFIX}-{name}" if sep else ALT_PREFIX
+        if sep and not re.fullmatch(r"[A-Za-z0-9_]+", name):
+            raise ValueError(f"--alt-config-dir {spec!r}: NAME must be letters, digits or _ (NAME=DIR)")
+        if prov in out:
+            raise ValueError(f"--alt-config-dir {spec!r}: {prov} is named twice")
+        out[prov] = Path(path if sep else spec)
+    return out
 
 
 def provider_options(prov: str) -> KernelOptions:
     """The kernel options a provider names (TRITON_FORMS, CUDA_FORMS; the defaults for the others)."""
     prov = prov.removesuffix(ACT_ORDER_SUFFIX)
     form = {**TRITON_FORMS.get(prov, {}), **CUDA_FORMS.get(prov, {})}
-    if prov == "plugin-triton-alt":
-        if ALT_CONFIG_DIR is None:
-            raise NotApplicable("plugin-triton-alt needs --alt-config-dir")
-        form["config_dir"] = ALT_CONFIG_DIR
+    if prov == ALT_PREFIX or prov.startswith(ALT_PREFIX + "-"):
+        if prov not in ALT_CONFIG_DIRS:
+            want = "DIR" if prov == ALT_PREFIX else f"{prov.removeprefix(ALT_PREFIX + '-')}=DIR"
+            raise NotApplicable(f"{prov} needs --alt-config-dir {want}")
+        form["config_dir"] = ALT_CONFIG_DIRS[prov]
     return KernelOptions(**form)
 
 
@@ -453,9 +471,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--alt-config-dir",
-        default=None,
-        metavar="DIR",
-        help="tuned Triton configs for the plugin-triton-alt provider (e.g. a tune.py --out copy)",
+        action="append",
+        default=[],
+        metavar="[NAME=]DIR",
+        help="tuned Triton configs for the plugin-triton-alt provider (e.g. a tune.py --out copy), or with NAME= for "
+        "plugin-triton-alt-NAME (repeatable: several candidate tables in one run)",
     )
     args = ap.parse_args(argv)
     return args
@@ -514,10 +534,15 @@ def main(argv=None) -> int:
         print("bench_moe.py: error: --ep shapes are printed by --dry-run, not timed (the rank's share of the "
               "routed tokens needs the expert_map path)", file=sys.stderr)  # fmt: skip
         return 2
-    global ALT_CONFIG_DIR, QUEUE_AHEAD_CYCLES
+    global QUEUE_AHEAD_CYCLES
     if args.launch_gap:
         QUEUE_AHEAD_CYCLES = 0
-    ALT_CONFIG_DIR = Path(args.alt_config_dir) if args.alt_config_dir else None
+    try:
+        ALT_CONFIG_DIRS.clear()
+        ALT_CONFIG_DIRS.update(alt_config_dirs(args.alt_config_dir))
+    except ValueError as exc:
+        print(f"bench_moe.py: error: {exc}", file=sys.stderr)
+        return 2
 
     torch.manual_seed(0)
     dev = torch.cuda.get_device_name()

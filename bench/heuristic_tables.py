@@ -9,13 +9,23 @@ directory to the GPU machine and time `--providers plugin-triton-auto,plugin-tri
 on shapes without shipped tables (where auto runs the heuristic). Each table holds every --m for both GEMMs of
 every catalog shape at each TP size and the bench's built-in shapes, under each device name (the lookup keys
 files by the device the run finds).
+
+A candidate rule is written the same way: --tile FROM:BMxBNxBK:wW:sS[:swap] replaces the heuristic's entry
+wherever the mean of routed pairs per hit expert is >= FROM (the last --tile whose FROM is reached wins; its
+BLOCK_SIZE_K is narrowed to one the group size allows), e.g. the swapped 128-token prefill tile from a mean of
+128 and the 256-token one from 256:
+
+    python bench/heuristic_tables.py /tmp/s256 --catalog all --tp 1,4 --m 1024,4096 \
+        --tile 128:128x128x64:w8:s3:swap --tile 256:256x128x64:w8:s3:swap
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,20 +35,61 @@ from bench_moe import SHAPES, int_list  # noqa: E402
 from model_catalog import SETS, catalog_configs  # noqa: E402
 from model_shapes import model_moe_shape  # noqa: E402
 
-from vllm_wna16_plugin.kernels.triton.configs import config_file_name, default_config  # noqa: E402
+from vllm_wna16_plugin.kernels.triton.configs import (  # noqa: E402
+    TritonMoEConfig,
+    _pick_block_k,
+    config_file_name,
+    default_config,
+    expected_experts_hit,
+)
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
 DEVICES = ("NVIDIA H200", "NVIDIA H100 80GB HBM3")
 
 
-def write_tables(out: Path, shapes, ms: list[int], devices) -> int:
-    """One file per GEMM shape and device: {M: default_config(...)} for each M; returns the files written."""
+@dataclass(frozen=True)
+class Tile:
+    """--tile FROM:BMxBNxBK:wW:sS[:swap]: the tl.dot tile a candidate rule runs from a mean of FROM pairs per expert."""
+
+    from_mean: float
+    config: TritonMoEConfig
+
+
+def parse_tile(spec: str) -> Tile:
+    """'128:128x128x64:w8:s3:swap' -> Tile(128, TritonMoEConfig(128, 128, 64, GROUP_SIZE_M=8, num_warps=8,
+    num_stages=3, swap_ab=True)); argparse.ArgumentTypeError naming the part that is wrong."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?):(\d+)x(\d+)x(\d+):w(\d+):s(\d+)(:swap|:plain)?", spec)
+    if not m:
+        raise argparse.ArgumentTypeError(f"--tile {spec!r}: expected FROM:BMxBNxBK:wW:sS[:swap|:plain]")
+    bm, bn, bk, warps, stages = map(int, m.groups()[1:6])
+    try:
+        cfg = TritonMoEConfig(bm, bn, bk, GROUP_SIZE_M=8, num_warps=warps, num_stages=stages,
+                              swap_ab=m.group(7) == ":swap")  # fmt: skip
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--tile {spec!r}: {exc}") from None
+    return Tile(float(m.group(1)), cfg)
+
+
+def entry(m: int, s, N: int, K: int, gs: int, tiles: list[Tile]) -> TritonMoEConfig:
+    """default_config's entry, or the last tile whose FROM the mean of pairs per hit expert reaches."""
+    pairs = m * s.top_k
+    mean = pairs / expected_experts_hit(pairs, s.E)
+    chosen = [t for t in tiles if mean >= t.from_mean]
+    if not chosen:
+        return default_config(m, s.E, N, K, s.top_k, gs, s.bits)
+    cfg = chosen[-1].config
+    return replace(cfg, BLOCK_SIZE_K=_pick_block_k(K, gs, cfg.BLOCK_SIZE_K))
+
+
+def write_tables(out: Path, shapes, ms: list[int], devices, tiles: list[Tile] = ()) -> int:
+    """One file per GEMM shape and device: {M: default_config(...)} for each M (or a --tile's config where its
+    mean is reached); returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     written = set()
     for s in shapes:
         for N, K, gs in ((2 * s.I, s.H, s.group_w13), (s.H, s.I, s.group_w2)):
             gs = K if gs == -1 else gs
-            table = {str(m): default_config(m, s.E, N, K, s.top_k, gs, s.bits).to_dict() for m in ms}
+            table = {str(m): entry(m, s, N, K, gs, list(tiles)).to_dict() for m in ms}
             for device in devices:
                 path = out / config_file_name(s.E, N, K, gs, s.bits, device)
                 path.write_text(json.dumps(table, indent=1) + "\n")
@@ -53,6 +104,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int_list, default=[1, 2, 4, 8], help="tensor-parallel sizes, e.g. 1,4")
     ap.add_argument("--m", type=int_list, default=int_list(DEFAULT_M), help="token counts of each table")
     ap.add_argument("--device-name", action="append", help=f"device names to key the files by (default: {DEVICES})")
+    ap.add_argument(
+        "--tile",
+        type=parse_tile,
+        action="append",
+        default=[],
+        metavar="FROM:BMxBNxBK:wW:sS[:swap]",
+        help="a candidate rule's tile from a mean of FROM routed pairs per hit expert (repeatable; the last reached wins)",
+    )
     args = ap.parse_args(argv)
     shapes = list(SHAPES)
     for name, cfg in catalog_configs(args.catalog):
@@ -61,7 +120,7 @@ def main(argv=None) -> int:
                 shapes.append(model_moe_shape(cfg, tp, 4, 128, name=name))
             except ValueError:
                 pass  # a TP size the model cannot be split at (bench_moe.py says why)
-    n = write_tables(args.out, shapes, args.m, args.device_name or DEVICES)
+    n = write_tables(args.out, shapes, args.m, args.device_name or DEVICES, args.tile)
     print(f"{n} tables for {len(shapes)} shapes in {args.out}")
     return 0
 

@@ -65,16 +65,29 @@ def test_the_alt_provider_reads_its_own_config_dir_and_no_other_provider_does(be
     entry = configs.TritonMoEConfig(32, 64, 64, GROUP_SIZE_M=8, maxnreg=128)
     name = configs.config_file_name(4, 256, 512, 128, 4, "GPU X")
     (tmp_path / name).write_text(json.dumps({"64": entry.to_dict()}))
-    monkeypatch.setattr(bench, "ALT_CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(bench, "ALT_CONFIG_DIRS", bench.alt_config_dirs([str(tmp_path), f"rule2={tmp_path / 'b'}"]))
     get = lambda d=None: configs.get_triton_moe_config(64, 4, 256, 512, 2, 128, 4, "GPU X", d)  # noqa: E731
     shipped = get()  # no file in the package for "GPU X": the heuristic
     assert shipped == configs.default_config(64, 4, 256, 512, 2, 128, 4)
     alt = bench.provider_options("plugin-triton-alt")
     assert alt.config_dir == tmp_path and get(alt.config_dir) == entry
     assert bench.provider_options("plugin-triton-auto").config_dir is None and get() == shipped
-    monkeypatch.setattr(bench, "ALT_CONFIG_DIR", None)
-    with pytest.raises(bench.NotApplicable, match="--alt-config-dir"):
+    assert bench.provider_options("plugin-triton-alt-rule2").config_dir == tmp_path / "b"
+    with pytest.raises(bench.NotApplicable, match="--alt-config-dir other=DIR"):
+        bench.provider_options("plugin-triton-alt-other")
+    monkeypatch.setattr(bench, "ALT_CONFIG_DIRS", {})
+    with pytest.raises(bench.NotApplicable, match="--alt-config-dir DIR"):
         bench.provider_options("plugin-triton-alt")
+
+
+def test_named_alt_config_dirs_are_parsed_and_refused_by_name(bench):
+    dirs = bench.alt_config_dirs(["d0", "s128=d1", "s256=/x/d2"])
+    assert dirs == {"plugin-triton-alt": Path("d0"), "plugin-triton-alt-s128": Path("d1"),
+                    "plugin-triton-alt-s256": Path("/x/d2")}  # fmt: skip
+    with pytest.raises(ValueError, match="named twice"):
+        bench.alt_config_dirs(["a=d1", "a=d2"])
+    with pytest.raises(ValueError, match="NAME must be"):
+        bench.alt_config_dirs(["a-b=d1"])
 
 
 def test_every_kernel_form_provider_names_valid_kernel_options(bench):

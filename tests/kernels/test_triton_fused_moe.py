@@ -577,6 +577,12 @@ SWAP_CASES = [
                  id="int4-sym-BM32-N352-fp16"),
     pytest.param(70, 64, 128, 2, 2, 4, 32, 32, True, BF16, Cfg(64, 128, 64, GROUP_SIZE_M=8, num_warps=8), SWAP,
                  id="int4-asym-BM64-BN128-w8"),
+    # prefill tiles (bench/heuristic_tables.py --tile candidates): 256 token rows (wgmma's widest N), and 256 weight
+    # rows over two warpgroups; GEMM2's N=160 tail under BLOCK_N 256
+    pytest.param(300, 160, 128, 2, 2, 4, 32, 64, True, BF16, Cfg(256, 128, 64, GROUP_SIZE_M=8, num_warps=8), SWAP,
+                 id="int4-asym-BM256-w8"),
+    pytest.param(150, 160, 192, 2, 2, 4, 32, 64, False, BF16, Cfg(128, 256, 64, GROUP_SIZE_M=8, num_warps=8), SWAP,
+                 id="int4-sym-BM128-BN256-w8"),
     # split K: each slice's float32 partial transposed back
     pytest.param(5, 256, 64, 4, 2, 4, 64, 32, False, BF16, Cfg(16, 64, 64, SPLIT_K=2), SWAP, id="int4-splitk2"),
     # top_k=1 (GEMM2 writes the output rows directly)

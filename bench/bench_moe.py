@@ -227,7 +227,8 @@ def make_act_order(kw13, kw2, d13, d2, s: Shape, bits: int, gen: torch.Generator
 
     A row k of the act-order checkpoint is row P[e, k] of the base weights: q_ao[:, k] = q[:, P[k]] and
     g_idx[k] = P[k] // group, so dequantize(q_ao)[:, k] = W[:, P[k]] and the reference multiplies x by
-    W[:, P] (a gather of the base dequantized weights along K)."""
+    W[:, P] (a gather of the base dequantized weights along K). d13 / d2 None: the weights only (None, None for
+    the dequantized ones: bench/kernel_breakdown.py times kernels, it checks nothing)."""
     e = s.E
     dev = kw13.qweight.device
     p1 = torch.stack([torch.randperm(s.H, generator=gen, device=dev) for _ in range(e)])
@@ -235,6 +236,8 @@ def make_act_order(kw13, kw2, d13, d2, s: Shape, bits: int, gen: torch.Generator
     g13 = (p1 // s.group_w13).to(torch.int32)[:, None, :].expand(e, 2, s.H).contiguous()
     w = Weights(packing.permute_k(kw13.qweight, p1, bits), packing.permute_k(kw2.qweight, p2, bits),
                 kw13.scales, kw2.scales, g13=g13, g2=(p2 // s.group_w2).to(torch.int32).contiguous())  # fmt: skip
+    if d13 is None or d2 is None:
+        return w, None, None
     d13_ao = torch.gather(d13, -1, p1[:, None, :].expand(-1, d13.shape[1], -1))
     d2_ao = torch.gather(d2, -1, p2[:, None, :].expand(-1, d2.shape[1], -1))
     return w, d13_ao, d2_ao

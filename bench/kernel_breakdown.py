@@ -3,6 +3,7 @@ next to the call's CUDA-graph time, for the plugin's backends and vLLM's Marlin 
 
     python bench/kernel_breakdown.py --shapes deepseek-v2-lite,mixtral-8x7b --m 2,8 \\
         --providers plugin-cuda,vllm-marlin --out bench/results/h200
+    python bench/kernel_breakdown.py --shapes mixtral-8x7b --m 2,4 --providers plugin-cuda,plugin-cuda-ao  # act order
 
 The question it answers: when a layer is slower than Marlin's, is it one of the GEMMs (and which), the
 alignment and top-k sum around them, or the gaps between the kernels (graph time - kernel time)?
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import math
 import re
@@ -22,10 +24,12 @@ from pathlib import Path
 
 import torch
 from bench_moe import (  # bench/ is on sys.path as the script's folder
+    ACT_ORDER_SUFFIX,
     ROOT,
     SHAPES,
     Weights,
     git_commit,
+    make_act_order,
     make_weights,
     plugin_backend,
     time_graph,
@@ -96,8 +100,15 @@ def main() -> int:
             n_copies = max(1, min(8, math.ceil(150e6 / touched)))
             ws = [base] + [Weights(*[t.clone() for t in (base.q13, base.q2, base.scales13, base.scales2)])
                            for _ in range(n_copies - 1)]  # fmt: skip
+            ao = None  # the act-order twin (bench_moe.make_act_order) for -ao providers, made when first asked
             for prov in args.providers.split(","):
-                prepared = [plugin_backend(prov, x, w, ids, s.gs) for w in ws]
+                if prov.endswith(ACT_ORDER_SUFFIX) and ao is None:
+                    twin = make_act_order(kw13, kw2, None, None, s, 4, gen)[0]
+                    ao = [twin] + [dataclasses.replace(twin, **{f: getattr(twin, f).clone() for f in ("q13", "q2")})
+                                   for _ in range(n_copies - 1)]  # fmt: skip
+                prepared = [
+                    plugin_backend(prov, x, w, ids, s.gs) for w in (ao if prov.endswith(ACT_ORDER_SUFFIX) else ws)
+                ]
 
                 def call(runner):  # with the kernel form a plugin-cuda-* / plugin-triton-* provider names
                     return runner.run(x, tw, ids)

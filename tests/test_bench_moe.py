@@ -451,3 +451,8 @@ def test_act_order_providers_run_the_checkpoint_the_reference_means(bench, shape
     assert ((got - want).norm() / want.norm()).item() < 2e-2
     base = fused_moe_ref(x, d13, d2, weights, ids).float()
     assert ((base - want).norm() / want.norm()).item() > 0.5
+    # kernel_breakdown.py's twin: the same kind of weights without the dequantized ones, runnable by -ao providers
+    gen.manual_seed(7)
+    w_only, none13, none2 = bench.make_act_order(k13, k2, None, None, s, 4, gen)
+    assert none13 is None and none2 is None and w_only.g13.shape == w.g13.shape
+    assert torch.isfinite(bench.plugin_backend(prov, x, w_only, ids, s.gs).run(x, weights, ids).float()).all()

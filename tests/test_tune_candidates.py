@@ -28,8 +28,10 @@ def tune():
         pytest.param(1, 128, 8, {1}, {16, 32, 64, 128}, id="decode-per-pair-only"),
         pytest.param(8, 8, 2, {1, 16}, {128}, id="mixtral-M8-per-pair-and-16"),
         pytest.param(1024, 128, 8, {32, 64}, {1, 128}, id="M1024-64-tokens-per-expert"),
-        pytest.param(4096, 128, 8, {64, 128}, {1, 16}, id="M4096-prefill-128-rows"),
-        pytest.param(8192, 8, 2, {64, 128}, {1}, id="mixtral-prefill-128-rows"),
+        # from 256 tokens per expert 128 and 256 rows (default_config's 256-row tile: configs.block_m_rule)
+        pytest.param(4096, 128, 8, {128, 256}, {1, 16, 64}, id="M4096-prefill-256-rows"),
+        pytest.param(8192, 8, 2, {128, 256}, {1}, id="mixtral-prefill-256-rows"),
+        pytest.param(2048, 128, 8, {64, 128}, {1, 16, 256}, id="M2048-prefill-128-rows"),
     ],
 )
 def test_row_tiles_follow_tokens_per_expert(tune, M, E, top_k, want, never):

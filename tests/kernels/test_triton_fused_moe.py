@@ -600,6 +600,18 @@ def test_swapped_tile_matches_reference(M, H, inter, E, top_k, bits, gs1, gs2, z
     assert_close_scaled(out, ref, dtype, "swapped tile")
 
 
+@pytest.mark.parametrize("M,rows,swapped", [(300, 256, True), (140, 128, False)])
+def test_default_prefill_tiles_match_reference(M, rows, swapped):
+    """default_config's prefill tiles as auto runs them (no config forced): 2 experts, top 2, so every expert gets
+    all M pairs: 256 rows swapped from a mean of 256, 128 plain from 128 (configs.block_m_rule, swap_takes_wgmma),
+    with zero points, group 32 and GEMM2's K tail (I=96)."""
+    p = make_moe_problem(M=M, H=128, inter=96, E=2, top_k=2, bits=4, gs1=32, gs2=32, zp=True, seed=500 + M)
+    cfg = configs.default_config(M, 2, 2 * 96, 128, 2, 32, 4)
+    assert cfg.BLOCK_SIZE_M == rows and configs.swap_form(cfg, KernelOptions()).swap_ab == swapped
+    out, ref = run_both(p, use_td=False)
+    assert_close_scaled(out, ref, BF16, f"default {rows}-row prefill tile")
+
+
 def test_swapped_tile_on_the_td_path_with_a_gather(td_decisions):
     p = make_moe_problem(M=9, H=128, inter=64, E=4, top_k=2, bits=4, gs1=32, gs2=32, zp=True, seed=31)
     out, ref = run_both(p, use_td=True, configs=Cfg(16, 64, 64), options=SWAP)
@@ -919,7 +931,12 @@ def test_default_config_is_legal_and_k_tail_is_small(K, gs, M):
         pytest.param(256, 64, 2816, 2048, 6, dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64), id="dsv2-m256"),
         # 64 tokens per expert (Qwen3-30B-A3B at M=1024): 64-row tiles (block_m_rule), as the tuner's
         pytest.param(1024, 128, 1536, 2048, 8, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_K=64), id="qwen3-m1024"),
-        pytest.param(4096, 8, 4096, 4096, 2, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, SPLIT_K=1), id="prefill"),
+        # prefill: 1024 pairs per expert, 256-row tiles (block_m_rule; run swapped: swap_takes_wgmma)
+        pytest.param(4096, 8, 4096, 4096, 2, dict(BLOCK_SIZE_M=256, BLOCK_SIZE_N=128, SPLIT_K=1), id="prefill"),
+        # 128 pairs per expert (DeepSeek-V3 at TP 4, M=4096): 128-row plain tiles
+        pytest.param(4096, 256, 1024, 7168, 8, dict(BLOCK_SIZE_M=128, num_warps=8, num_stages=3), id="prefill-128"),
+        # a short grid (16 experts, 160 columns) narrows BLOCK_N to 64 under a 256-row tile, not to 32
+        pytest.param(4096, 16, 160, 5120, 1, dict(BLOCK_SIZE_M=256, BLOCK_SIZE_N=64), id="prefill-256-narrow"),
     ],
 )
 def test_default_config_regimes(M, E, N, K, top_k, want):

@@ -54,10 +54,10 @@ def block_m_choices(M: int, E: int, top_k: int) -> list[int]:
     if tpe <= PER_PAIR_MAX_TOKENS_PER_EXPERT:
         out.append(1)
     if tpe > 1.05:
-        # 128-row tiles only where an expert gets >= 128 tokens (prefill: vLLM's own Triton configs use
-        # them there, and the plugin's 64-row heuristic trailed vLLM's in-tree path in e2e prefill)
-        allowed = [bm for bm in (16, 32, 64, 128) if bm <= max(16, 2 * 2 ** math.ceil(math.log2(max(tpe, 1))))]
-        allowed = [bm for bm in allowed if bm < 128 or tpe >= 128]
+        # 128- and 256-row tiles only where an expert gets that many tokens (prefill: vLLM's own Triton configs
+        # use 128 there; 256 swapped is default_config's tile from 256, configs.block_m_rule)
+        allowed = [bm for bm in (16, 32, 64, 128, 256) if bm <= max(16, 2 * 2 ** math.ceil(math.log2(max(tpe, 1))))]
+        allowed = [bm for bm in allowed if bm < 128 or tpe >= bm]
         out += allowed[-2:]  # the two largest row tiles the tokens per expert can fill
     return out
 
@@ -77,7 +77,7 @@ def stage_a(M: int, E: int, N: int, K: int, top_k: int, gs: int, bits: int) -> l
     first = default_config(M, E, N, K, top_k, gs, bits)
     out = [first]
     for bm in block_m_choices(M, E, top_k):
-        for bn in (32, 64, 128) + ((256,) if bm >= 64 else ()):
+        for bn in (32, 64, 128) + ((256,) if 64 <= bm <= 128 else ()):  # 256x256 spills (254 registers at 256x128)
             for bk in legal_block_k(K, gs) + (wide_block_k(K, gs, bn) if bm == 1 else []):
                 if bm >= 64 and bk > 128 or bm * bn >= 128 * 128 and bk > 64:
                     continue  # big row tiles: shared memory for wide K stages is better spent on stages

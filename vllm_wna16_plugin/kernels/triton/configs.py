@@ -243,20 +243,33 @@ def expected_block_reads(M: int, E: int, top_k: int, block_m: int) -> float:
     return reads / (1.0 - p_zero)
 
 
+# default_config's prefill tile heights (block_m_rule): (from a mean of pairs per hit expert, rows), largest first
+BLOCK_M_PREFILL = ((256, 256), (128, 128))
+
+
 def block_m_rule(M: int, E: int, top_k: int) -> int:
     """BLOCK_SIZE_M of default_config's tl.dot tiles for M tokens (the GEMV regime aside), by mean = pairs /
     experts hit: 16 rows up to a mean of 16; 32 up to 64 unless 32-row tiles would read a hit expert's weights
-    more than BLOCK_M_MAX_REREAD times (expected_block_reads), then 64; 64 beyond.
+    more than BLOCK_M_MAX_REREAD times (expected_block_reads), then 64; 64 up to a mean of 128; then
+    BLOCK_M_PREFILL: 128 rows (plain) from a mean of 128, 256 rows (swapped: swap_takes_wgmma) from 256.
 
     The re-read test is the one change to the former thresholds (16 / 32 / 64 rows by the mean alone). Timed on
     the validation set it was not fitted on (H100, vLLM 0.34, Triton 3.6; bench/results/h100/2026-12-05-
     332769e-bm.md, plugin-triton-auto against the former heuristic's tables): 64-row tiles at means of 32-64
     took 0.82-0.95x the 32-row tiles' layer time on all 8 such points (Mixtral-8x22B, DeepSeek-V3, Qwen2-57B,
-    Llama-4-Scout, ERNIE-4.5 at TP 4, M 128-1024). Two further changes timed in the same run lost and are not
-    made: 32-row tiles from a mean of ~12.5 (granite at M=64: 1.56x) and 128-row tiles from a mean of 128
-    (prefill, 1.08-1.27x on six shapes), although the H200 tuner took 128 rows there. That run swapped its
-    128-row tiles (the swap rule then took every tile of >= 16 rows); the tuner's were plain, and since
-    swap_takes_wgmma keeps 128-row tiles plain, 128 plain rows at prefill on untuned shapes are not yet judged.
+    Llama-4-Scout, ERNIE-4.5 at TP 4, M 128-1024). 32-row tiles from a mean of ~12.5 lost there (granite at
+    M=64: 1.56x) and are not taken.
+
+    Prefill (H100, vLLM 0.34, Triton 3.6, commit 23a2f37, bench/results/h100/2026-12-05-23a2f37-pf.md: each
+    candidate written as tables by bench/heuristic_tables.py --tile and timed beside the 64-row tile, 8 warps,
+    3 stages, 128 weight rows, BLOCK_K 64). Fitted on the development shapes (Qwen3-30B-A3B, Mixtral-8x7B,
+    DeepSeek-V2-Lite, M 1024/4096; their means reach 256-1024): the swapped 256-row tile took 0.71-0.86x the
+    64-row tile's layer time on all 4 points, the plain 128-row tile 0.84-0.89x (ahead of the 256-row one at
+    Qwen3-30B-A3B M=4096 by 2%), the swapped 128-row tile 1.05-1.15x (as in 332769e-bm, whose 128-row tiles
+    were swapped: 1.08-1.27x). So 256 rows swapped from a mean of 256; from 128 the plain 128-row tile, the H200
+    tuner's pick on these shapes (30 of its 72 tl.dot entries, prefill, tuned plain). Checked on the validation
+    shapes at TP 4 (not fitted on): 0.73-0.93x the 64-row tile on all 7 points with a mean >= 128, within 7% of
+    the fastest candidate at each.
     """
     pairs = max(1, M * top_k)
     mean = pairs / expected_experts_hit(pairs, E)
@@ -264,6 +277,9 @@ def block_m_rule(M: int, E: int, top_k: int) -> int:
         return 16
     if mean <= 64 and expected_block_reads(M, E, top_k, 32) <= BLOCK_M_MAX_REREAD:
         return 32
+    for from_mean, rows in BLOCK_M_PREFILL:
+        if mean >= from_mean:
+            return rows
     return 64
 
 
@@ -280,9 +296,10 @@ def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, 
       small M    (mean <= 16) K 256, N 128 tiles, 4 warps, 4 stages.
       larger M   (mean <= 64) K 64, N 64 tiles, grouped ordering.
       prefill    K 64, N 128 tiles, 8 warps, 3 stages.
-    BLOCK_SIZE_M of the tl.dot regimes is block_m_rule's. BLOCK_SIZE_N shrinks from 128 (64 per pair)
-    until the grid has >= 2 programs per SM; if it is still short and K has >= 8 tiles, SPLIT_K (2 or 4)
-    fills it.
+    BLOCK_SIZE_M of the tl.dot regimes is block_m_rule's (64-256 rows at prefill). BLOCK_SIZE_N shrinks from 128
+    (64 per pair) until the grid has >= 2 programs per SM, not below 64 under tiles of 128+ rows (the weight
+    rows wgmma's M takes, the widths the prefill tiles were timed at); if it is still short and K has >= 8 tiles,
+    SPLIT_K (2 or 4) fills it.
     """
     pairs = max(1, M * top_k)
     hit = expected_experts_hit(pairs, E)
@@ -303,7 +320,7 @@ def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, 
             bk_wish, group_m, warps, stages, bn = 64, 8, 8, 3, 128
         m_blocks = hit * expected_block_reads(M, E, top_k, bm)
     m_blocks = max(1, int(m_blocks))
-    while bn > 32 and m_blocks * -(-N // bn) < MIN_PROGRAMS:
+    while bn > (64 if bm >= 128 else 32) and m_blocks * -(-N // bn) < MIN_PROGRAMS:
         bn //= 2
     bk = _pick_block_k(K, gs, bk_wish)
     split = 1
@@ -370,14 +387,18 @@ def dot_form(bits: int, config: TritonMoEConfig, K: int, rows_on_words: bool, us
 
 
 def swap_takes_wgmma(config: TritonMoEConfig) -> bool:
-    """The rule for the swapped tile: a tl.dot tile of >= 16 token rows (the MMA's N) and >= 64 weight rows
-    (its M: sm90's wgmma takes 64 rows per warpgroup). Fitted on Qwen3-30B-A3B and Mixtral-8x7B, checked on
+    """The rule for the swapped tile: a tl.dot tile of 16-64 or 256 token rows (the MMA's N) and >= 64 weight
+    rows (its M: sm90's wgmma takes 64 rows per warpgroup). Fitted on Qwen3-30B-A3B and Mixtral-8x7B, checked on
     Qwen3.5-35B-A3B, DeepSeek-V2-Lite, the channel-wise and K=1344 shapes (H100, vLLM 0.34, Triton 3.6,
     bench/results/h100/2026-12-05-adcda24-swapfused*.md): swapped tiles of 64-128 weight rows took 0.84-1.02x
     the plain tile's time at M 4-1024 (0.84-0.91x at M >= 256); 32-row ones 1.12-1.22x (K=1344, M 2-32). Those
-    runs' tiles had 16-64 token rows: tiles of 128 (the H200 tuner's prefill entries, tuned plain) were never
-    timed swapped and stay plain (the tuners time both: candidates.swap_worth_timing)."""
-    return not config.per_pair and 16 <= config.BLOCK_SIZE_M <= 64 and config.BLOCK_SIZE_N >= 64
+    runs' tiles had 16-64 token rows. 128-row tiles stay plain: swapped (128x128x64, 8 warps) they took 1.05-1.25x
+    the 64-row tile's time at prefill where plain ones took 0.83-0.93x (2026-12-05-23a2f37-pf: 152 registers,
+    one program of 8 warps per SM); 256-row tiles (block_m_rule's prefill tile, 254 registers) run swapped, the
+    only form they were timed in, there 0.71-0.93x the 64-row tile. The tuners time the other form of
+    128-row tiles (candidates.swap_worth_timing)."""
+    rows = config.BLOCK_SIZE_M
+    return not config.per_pair and (16 <= rows <= 64 or rows == 256) and config.BLOCK_SIZE_N >= 64
 
 
 def swap_form(config: TritonMoEConfig, options) -> TritonMoEConfig:

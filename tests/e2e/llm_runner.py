@@ -4,7 +4,10 @@
 
 SPEC: {"model": path, "quantization": "moe_wna16_plus" | "moe_wna16" | ..., "prompts": [...],
        "max_tokens": 16, "eager": false, "moe_backend": "auto", "tp": 1, "logprobs": 5, "dtype": "auto",
-       "env": {name: value, set before vLLM is imported}}
+       "env": {name: value, set before vLLM is imported}, "reload_from": path (optional)}
+With reload_from, the run generates once, reloads the weights of that checkpoint into the running engine
+(vLLM's reload_weights on each worker: the layers' own tensors, which the captured CUDA graphs read) and
+generates again; the result is the second generation's, the first one's tokens are "tokens_before_reload".
 The plugin backend, if any, comes from VLLM_WNA16_PLUS_BACKEND in the environment.
 OUT: {"ok": true, "tokens": [[...]], "text": [...], "first_logprobs": [{token: logprob}],
      "step_logprobs": [[{token: logprob} per step] per prompt], "seconds": s}
@@ -98,6 +101,13 @@ def main() -> int:
         t_gen = time.time()
         results = llm.generate(spec["prompts"], params)
         phases["generate"] = time.time() - t_gen
+        before = None
+        if spec.get("reload_from"):
+            before = [list(r.outputs[0].token_ids) for r in results]
+            t_reload = time.time()
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": spec["reload_from"]})
+            phases["reload"] = time.time() - t_reload
+            results = llm.generate(spec["prompts"], params)
         # the top log-probs of every generated step (vLLM adds the chosen token's): conftest's agreement
         steps = [[{str(tok): float(v.logprob) for tok, v in lp.items()} for lp in (r.outputs[0].logprobs or [])]
                  for r in results]  # fmt: skip
@@ -109,6 +119,8 @@ def main() -> int:
             "step_logprobs": steps,
             "inspection_fallback": fallback,
         }
+        if before is not None:
+            result["tokens_before_reload"] = before
     except Exception as exc:  # noqa: BLE001 - a crash is a result (vLLM's in-tree gs32 path)
         traceback.print_exc()
         msg = str(exc).strip().splitlines()

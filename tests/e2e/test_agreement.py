@@ -169,3 +169,15 @@ def test_dequantize_attention_stores_the_float_weights_of_the_gptq_attention(tmp
     parsed = parse_quantization_config(json.loads((dst / "config.json").read_text())["quantization_config"])
     assert parsed.scheme_for("model.layers.0.self_attn.qkv_proj", moe=False) is None
     assert parsed.scheme_for("model.layers.0.mlp.experts", moe=True).has_zero_point
+
+
+def test_a_reload_run_is_its_own_run_and_tells_the_runner_what_to_reload(tmp_path):
+    """conftest._llm_spec: reload_from reaches llm_runner's spec and the run's tag (so a reload run is never
+    mistaken for the plain run of the same checkpoint by start_llm / run_llm), and nothing else changes."""
+    from tests.e2e.conftest import _key, _llm_spec
+
+    tag, spec, _ = _llm_spec(tmp_path / "a", backend="cuda")
+    rtag, rspec, _ = _llm_spec(tmp_path / "a", backend="cuda", reload_from=tmp_path / "b")
+    assert "reload_from" not in spec and rspec.pop("reload_from") == str(tmp_path / "b") and rspec == spec
+    assert rtag == f"{tag}-reload-b"
+    assert _key(tmp_path / "a", backend="cuda") != _key(tmp_path / "a", backend="cuda", reload_from=tmp_path / "b")

@@ -42,3 +42,13 @@ def test_router_weight_on_the_input_needs_top_k_one_on_every_backend(backend):
     p = make_moe_problem(M=2, H=128, I=64, E=4, top_k=2, bits=4, gs1=32, seed=43)
     with pytest.raises(ValueError, match=r"apply_router_weight_on_input=True with top_k=2: vLLM defines it for top_k"):
         fused_moe_wna16(*p.args(), **p.kwargs(), group_size=32, backend=backend, apply_router_weight_on_input=True)
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton", "reference"])
+def test_more_routed_columns_than_experts_is_refused_by_name(backend):
+    # top_k=3 over 2 experts: every row repeats an expert, which no router produces; it ran before
+    p = make_moe_problem(M=2, H=128, I=64, E=2, top_k=2, bits=4, gs1=32, seed=44)
+    ids = torch.tensor([[0, 1, 0], [1, 0, 1]], dtype=torch.int32)
+    args = (*p.args()[:5], torch.full((2, 3), 1 / 3), ids)
+    with pytest.raises(ValueError, match=r"top_k=3 columns but there are only 2 experts"):
+        fused_moe_wna16(*args, **p.kwargs(), group_size=32, backend=backend)

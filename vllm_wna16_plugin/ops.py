@@ -115,6 +115,11 @@ def fused_moe_wna16(
         apply_router_weight_on_input=apply_router_weight_on_input, global_num_experts=global_num_experts,
         topk_weights=topk_weights, w13_qzeros=w13_qzeros, w2_qzeros=w2_qzeros, expert_map=expert_map,
     )  # fmt: skip
+    if problem.top_k > problem.global_num_experts:  # duplicate ids in every row: no router routes so
+        raise ValueError(
+            f"topk_ids has top_k={problem.top_k} columns but there are only {problem.global_num_experts} experts: "
+            f"a router picks top_k distinct experts per token, so top_k must be at most the number of experts"
+        )
     if apply_router_weight_on_input and problem.top_k != 1:  # the layer path: vLLM's router never asks for it
         raise ValueError(
             f"apply_router_weight_on_input=True with top_k={problem.top_k}: vLLM defines it for top_k == 1 (the one "

@@ -126,6 +126,13 @@ def test_cli_tune_needs_a_gpu_and_says_so(tmp_path, capsys):
     assert "tune times kernels on this machine's NVIDIA GPU, and torch sees none" in capsys.readouterr().err
     assert main(["tune", str(ckpt), "--m", "1,x"]) == 2
     assert "--m='1,x' is not a comma-separated list" in capsys.readouterr().err
+    # the model's own errors come before the missing GPU (a typo in the path is what to fix first)
+    assert main(["tune", str(tmp_path / "no-such-model")]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "torch sees none" not in err, err
+    assert main(["tune", str(ckpt), "--tp", "3"]) == 2  # 128 intermediate columns do not split over 3 ranks
+    err = capsys.readouterr().err
+    assert "torch sees none" not in err and "3" in err, err
 
 
 def test_a_damaged_user_table_is_ignored_and_the_shipped_ones_serve(tmp_path, monkeypatch):

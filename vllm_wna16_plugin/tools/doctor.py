@@ -147,11 +147,34 @@ def _deepseek_moe_layer(c: Mapping, where: str, i: int) -> bool:
     return i >= first and i % freq == 0
 
 
+def _ernie_moe_layer(c: Mapping, where: str, i: int) -> bool:
+    """vLLM's ernie45_moe: moe_layer_start_index <= i <= moe_layer_end_index and (i + 1) % moe_layer_interval == 0."""
+    layers = _positive_int(where, "num_hidden_layers", c["num_hidden_layers"], MAX_LAYERS)
+    bounds = []
+    for key, default in (("moe_layer_start_index", 0), ("moe_layer_end_index", layers - 1)):
+        value = c.get(key, default)
+        problem = not_an_int(value) or ("is negative" if value < 0 else None)
+        if problem:
+            raise ValueError(f"{_field(where, key)}={value!r} {problem}; supported: 0 or a positive int")
+        bounds.append(value)
+    interval = _positive_int(where, "moe_layer_interval", c.get("moe_layer_interval", 1))
+    return bounds[0] <= i <= bounds[1] and (i + 1) % interval == 0
+
+
+def _lfm2_moe_layer(c: Mapping, where: str, i: int) -> bool:
+    """vLLM's lfm2_moe: the first num_dense_layers layers are dense (transformers' default: 2)."""
+    dense = c.get("num_dense_layers", 2)
+    problem = not_an_int(dense) or ("is negative" if dense < 0 else None)
+    if problem:
+        raise ValueError(f"{_field(where, 'num_dense_layers')}={dense!r} {problem}; supported: 0 or a positive int")
+    return i >= dense
+
+
 @dataclass(frozen=True)
 class MoELayout:
     """Where a model's routed-experts layers sit, as vLLM's model file names them."""
 
-    block: str  # the decoder layer's MoE block: "mlp" or "block_sparse_moe"
+    block: str  # the decoder layer's MoE block: "mlp", "block_sparse_moe" or "feed_forward"
     is_moe_layer: Callable[[Mapping, str, int], bool]
     experts: tuple[str, ...] = EXPERT_NAMES  # an expert's gate, up, down projections as the model's file names them
 
@@ -159,7 +182,8 @@ class MoELayout:
         return f"model.layers.{i}.{self.block}.experts"
 
 
-# Checked against vLLM 0.26's model files (qwen2_moe, qwen3_moe, mixtral, phimoe, olmoe, deepseek_v2, glm4_moe).
+# Checked against vLLM 0.26's model files (qwen2_moe, qwen3_moe, mixtral, phimoe, olmoe, deepseek_v2, glm4_moe) and
+# 0.34's (qwen3_next, ernie45_moe, minimax_m2, lfm2_moe: ckpt_names ("w1", "w2", "w3") = gate, down, up).
 MOE_LAYOUTS = {
     "Qwen2MoeForCausalLM": MoELayout("mlp", _qwen_moe_layer),
     "Qwen3MoeForCausalLM": MoELayout("mlp", _qwen_moe_layer),
@@ -169,6 +193,10 @@ MOE_LAYOUTS = {
     "DeepseekV2ForCausalLM": MoELayout("mlp", _deepseek_moe_layer),
     "DeepseekV3ForCausalLM": MoELayout("mlp", _deepseek_moe_layer),
     "Glm4MoeForCausalLM": MoELayout("mlp", _deepseek_moe_layer),
+    "Qwen3NextForCausalLM": MoELayout("mlp", _qwen_moe_layer),
+    "Ernie4_5_MoeForCausalLM": MoELayout("mlp", _ernie_moe_layer),
+    "MiniMaxM2ForCausalLM": MoELayout("block_sparse_moe", _every_layer, ("w1", "w3", "w2")),
+    "Lfm2MoeForCausalLM": MoELayout("feed_forward", _lfm2_moe_layer, ("w1", "w3", "w2")),
 }
 DEFAULT_LAYOUT = MoELayout("mlp", _every_layer)
 

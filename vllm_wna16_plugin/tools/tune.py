@@ -379,7 +379,7 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
 
 def run_tune(args) -> int:
     """Errors propagate: cli.main turns them into one line on stderr and exit status 2."""
-    from vllm_wna16_plugin.tools.doctor import moe_problems
+    from vllm_wna16_plugin.tools.doctor import moe_problems, resolve_checkpoint
 
     try:
         ms = [int(v) for v in str(args.m).split(",")]
@@ -393,6 +393,7 @@ def run_tune(args) -> int:
         raise ValueError(f"--reps={args.reps}: the replays per time (a median) must be at least 1")
     if not (math.isfinite(args.budget_s) and args.budget_s > 0):
         raise ValueError(f"--budget-s={args.budget_s}: the exploration budget must be a positive number of seconds")
+    resolve_checkpoint(args.model_dir, args.tp)  # the model's own errors first (path, config, --tp): GPU-blind
     if not torch.cuda.is_available():
         raise ValueError("tune times kernels on this machine's NVIDIA GPU, and torch sees none "
                          "(torch.cuda.is_available() is False); `vllm-wna16 doctor` plans without one")  # fmt: skip

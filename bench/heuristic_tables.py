@@ -41,6 +41,7 @@ from vllm_wna16_plugin.kernels.triton.configs import (  # noqa: E402
     config_file_name,
     default_config,
     expected_experts_hit,
+    swap_takes_wgmma,
 )
 
 DEFAULT_M = "1,2,4,8,16,32,64,128,256,512,1024,2048,4096"
@@ -67,6 +68,11 @@ def parse_tile(spec: str) -> Tile:
                               swap_ab=m.group(7) == ":swap")  # fmt: skip
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--tile {spec!r}: {exc}") from None
+    if not cfg.swap_ab and swap_takes_wgmma(cfg):  # swap_form ORs the table's flag with the rule
+        raise argparse.ArgumentTypeError(
+            f"--tile {spec!r}: the swap rule (configs.swap_takes_wgmma) swaps {bm}-row tiles of {bn} weight rows "
+            "whatever a table says, so a plain one cannot be timed through tables; write :swap"
+        )
     return Tile(float(m.group(1)), cfg)
 
 
@@ -76,7 +82,7 @@ def entry(m: int, s, N: int, K: int, gs: int, tiles: list[Tile]) -> TritonMoECon
     mean = pairs / expected_experts_hit(pairs, s.E)
     chosen = [t for t in tiles if mean >= t.from_mean]
     if not chosen:
-        return default_config(m, s.E, N, K, s.top_k, gs, s.bits)
+        return default_config(m, s.E, N, K, s.top_k, gs, s.bits, prefill_tiles=True)  # DEVICES are sm90
     cfg = chosen[-1].config
     return replace(cfg, BLOCK_SIZE_K=_pick_block_k(K, gs, cfg.BLOCK_SIZE_K))
 

@@ -60,6 +60,7 @@ from vllm_wna16_plugin.kernels.triton.candidates import (  # noqa: E402, F401 - 
 from vllm_wna16_plugin.kernels.triton.configs import (  # noqa: E402
     config_file_name,
     default_config,
+    prefill_tiles_apply,
 )
 
 
@@ -150,6 +151,7 @@ def run_shape(shape: Shape, ms, args, log, deadline, slots_after):
     gen = torch.Generator(device="cuda").manual_seed(0)
     major, minor = torch.cuda.get_device_capability()
     sm = major * 10 + minor
+    prefill = prefill_tiles_apply("cuda", sm)  # default_config's prefill tiles on this device
     gemms = {
         "gemm1": GemmBench(shape.E, 2 * shape.I, shape.H, shape.gs, shape.bits, shape.top_k, dtype, gen),
         "gemm2": GemmBench(shape.E, shape.H, shape.I, shape.gs, shape.bits, shape.top_k, dtype, gen),
@@ -216,7 +218,7 @@ def run_shape(shape: Shape, ms, args, log, deadline, slots_after):
                     rejected.append((shape.name, name, M, cfg, f"{type(exc).__name__}: {str(exc)[:80]}"))
                     torch.cuda.synchronize()
 
-            for cfg in stage_a(M, shape.E, g.N, g.K, shape.top_k, shape.gs, shape.bits):
+            for cfg in stage_a(M, shape.E, g.N, g.K, shape.top_k, shape.gs, shape.bits, prefill):
                 measure(cfg)
             ranked = sorted(timed, key=timed.get)
             bases = ranked[:2] + [min((c for c in timed if c.BLOCK_SIZE_M == bm), key=timed.get)
@@ -277,7 +279,7 @@ def main() -> int:
             for name, N, K in (("gemm1", 2 * s.I, s.H), ("gemm2", s.H, s.I)):
                 distinct = set()
                 for M in ms:
-                    a = stage_a(M, s.E, N, K, s.top_k, s.gs, s.bits)
+                    a = stage_a(M, s.E, N, K, s.top_k, s.gs, s.bits, True)  # as on sm90
                     b = [c for base in a[:3] for c in stage_b(base, M, s.E, N, K, s.top_k, True, fuse=name == "gemm1")]
                     distinct |= set(a) | set(b)
                     print(f"{s.name} {name} M={M}: stage A {len(a)}, stage B <= {len(b)}; default {a[0]}")
@@ -290,6 +292,9 @@ def main() -> int:
     t0 = time.time()
     deadline = t0 + args.budget_s
     dev = torch.cuda.get_device_name()
+    prefill = prefill_tiles_apply(
+        "cuda", 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
+    )
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     log = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)  # noqa: E731
@@ -308,8 +313,8 @@ def main() -> int:
                 continue
             c1, c2, total = pick_joint(t1, t2, align_us, M)
             files["gemm1"][str(M)], files["gemm2"][str(M)] = c1.to_dict(), c2.to_dict()
-            d1 = default_config(M, s.E, 2 * s.I, s.H, s.top_k, s.gs if s.gs != -1 else s.H, s.bits)
-            d2 = default_config(M, s.E, s.H, s.I, s.top_k, s.gs if s.gs != -1 else s.I, s.bits)
+            d1 = default_config(M, s.E, 2 * s.I, s.H, s.top_k, s.gs if s.gs != -1 else s.H, s.bits, prefill)
+            d2 = default_config(M, s.E, s.H, s.I, s.top_k, s.gs if s.gs != -1 else s.I, s.bits, prefill)
             dflt = t1.get(d1, float("nan")) + align_us.get((M, "act"), 0.0) + t2.get(d2, float("nan"))
             fmt = lambda c: (f"{c.BLOCK_SIZE_M}x{c.BLOCK_SIZE_N}x{c.BLOCK_SIZE_K} w{c.num_warps} s{c.num_stages}"  # noqa: E731
                              f"{' k' + str(c.SPLIT_K) if c.SPLIT_K > 1 else ''}{' td' if c.use_td else ''}"

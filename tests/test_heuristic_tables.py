@@ -21,7 +21,7 @@ def test_the_tables_hold_the_heuristic_and_the_lookup_serves_it_back(tmp_path):
         table = load_tuned_configs(shape.E, N, K, 128, 4, "NVIDIA H200", tmp_path)
         assert sorted(table) == [1, 64, 4096]
         for m, cfg in table.items():
-            assert cfg == default_config(m, shape.E, N, K, shape.top_k, 128, 4)
+            assert cfg == default_config(m, shape.E, N, K, shape.top_k, 128, 4, prefill_tiles=True)  # sm90 devices
     # one file per GEMM shape and device name, for the catalog's models at --tp too (Mixtral-8x22B at TP 4)
     assert (tmp_path / "E=8,N=8192,K=6144,group_size=128,bits=4,device_name=NVIDIA_H200.json").is_file()
 
@@ -34,13 +34,13 @@ def test_a_candidate_tile_replaces_the_heuristic_from_its_mean_on(tmp_path):
     from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit
 
     argv = [str(tmp_path), "--catalog", "dev", "--tp", "1", "--m", "16,1024,4096", "--device-name", "GPU X",
-            "--tile", "128:128x128x64:w8:s3:swap", "--tile", "256:256x128x128:w8:s4"]  # fmt: skip
+            "--tile", "128:128x128x64:w8:s3:swap", "--tile", "256:256x128x128:w8:s4:swap"]  # fmt: skip
     assert heuristic_tables.main(argv) == 0
     shape = next(s for s in heuristic_tables.SHAPES if s.name == "mixtral-8x7b")  # E=8, top 2
     table = load_tuned_configs(shape.E, 2 * shape.I, shape.H, 128, 4, "GPU X", tmp_path)
     mean = {m: m * 2 / expected_experts_hit(m * 2, 8) for m in table}
-    assert mean[16] < 128 and table[16] == default_config(16, 8, 2 * shape.I, shape.H, 2, 128, 4)
-    assert mean[1024] >= 256 and table[1024].BLOCK_SIZE_M == 256 and not table[1024].swap_ab
+    assert mean[16] < 128 and table[16] == default_config(16, 8, 2 * shape.I, shape.H, 2, 128, 4, True)
+    assert mean[1024] >= 256 and table[1024].BLOCK_SIZE_M == 256 and table[1024].swap_ab
     assert table[4096].BLOCK_SIZE_K == 128 and table[4096].num_stages == 4
     # a tile's BLOCK_SIZE_K narrows as default_config's does (configs._pick_block_k: K=1344 wastes 14% of a
     # 256-wide K loop, so 128)
@@ -48,6 +48,9 @@ def test_a_candidate_tile_replaces_the_heuristic_from_its_mean_on(tmp_path):
     assert tile.config.swap_ab and tile.config.num_warps == 8 and tile.from_mean == 128
     narrowed = heuristic_tables.entry(4096, shape, 2 * shape.I, 1344, 32, [tile])
     assert narrowed.BLOCK_SIZE_K == 128 and narrowed.swap_ab and narrowed.BLOCK_SIZE_M == 128
-    for bad in ("128:128x128:w8:s3", "x:128x128x64:w8:s3", "128:96x128x64:w8:s3"):
+    assert not heuristic_tables.parse_tile("128:128x128x64:w8:s3:plain").config.swap_ab  # 128 rows stay plain
+    # a plain tile the swap rule would swap anyway (16-64 and 256 token rows) cannot be a table's candidate
+    for bad in ("128:128x128:w8:s3", "x:128x128x64:w8:s3", "128:96x128x64:w8:s3", "256:256x128x64:w8:s3:plain",
+                "64:64x128x64:w8:s3"):  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match="--tile"):
             heuristic_tables.parse_tile(bad)

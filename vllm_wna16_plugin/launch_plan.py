@@ -134,11 +134,12 @@ def _triton_gemms(problem: MoEProblem, m: int, device: DeviceSpec, launch) -> tu
 
 
 def _triton_plan(problem: MoEProblem, m: int, device: DeviceSpec, layer_backend: str, why: list[str]) -> LaunchPlan:
-    from vllm_wna16_plugin.kernels.triton.configs import triton_launch
+    from vllm_wna16_plugin.kernels.triton.configs import prefill_tiles_apply, triton_launch
 
     launch = triton_launch(m, problem.num_experts, problem.hidden, problem.intermediate, problem.top_k,
                            problem.group_size_w13, problem.group_size_w2, problem.scheme.bits, device.name,
-                           problem.options.kernel.config_dir, configs_dir(device))  # fmt: skip
+                           problem.options.kernel.config_dir, configs_dir(device),
+                           prefill_tiles_apply(device.platform, device.sm))  # fmt: skip
     gemms = _triton_gemms(problem, m, device, launch)
     per_pair = launch.gemm1.config.per_pair and launch.gemm2.config.per_pair
     align = "none (per-pair kernels)" if per_pair else "vLLM moe_align_block_size"

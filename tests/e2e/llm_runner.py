@@ -106,6 +106,8 @@ def main() -> int:
             before = [list(r.outputs[0].token_ids) for r in results]
             t_reload = time.time()
             llm.collective_rpc("reload_weights", kwargs={"weights_path": spec["reload_from"]})
+            if hasattr(llm, "reset_prefix_cache"):  # no KV computed with the former weights may be reused
+                llm.reset_prefix_cache()
             phases["reload"] = time.time() - t_reload
             results = llm.generate(spec["prompts"], params)
         # the top log-probs of every generated step (vLLM adds the chosen token's): conftest's agreement

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -125,7 +126,7 @@ def test_the_block_m_rule_agrees_with_the_h200_tuner():
         for m, cfg in load_tuned_configs(E, N, K, int(gs), int(bits), device.replace("_", " ")).items():
             if cfg.BLOCK_SIZE_M == 1:
                 continue  # per pair: the GEMV regime, not a tile height
-            rule = block_m_rule(m, E, top_k_of[(E, N, K)])
+            rule = block_m_rule(m, E, top_k_of[(E, N, K)], prefill_tiles=True)  # the H200 is sm90
             if cfg.BLOCK_SIZE_M == 128:
                 assert rule in (128, 256) and m >= 1024, f"{path.name} M={m}"
                 prefill += 1
@@ -184,9 +185,33 @@ def test_default_config_tiles_follow_the_block_m_rule():
         assert cfg.BLOCK_SIZE_M == block_m_rule(M, E, top_k), (M, E, cfg)
     assert block_m_rule(64, 40, 8) == 16  # a mean of 12.8: 32 rows lost 1.56x there (granite, M=64)
     assert block_m_rule(128, 8, 2) == 64  # a mean of 32: 64 rows, 0.89x the 32-row time (Mixtral-8x22B TP 4)
-    assert block_m_rule(4096, 8, 2) == 256  # prefill, a mean of 1024: 256 rows swapped (0.71-0.86x the 64-row time)
-    assert block_m_rule(4096, 256, 8) == 128  # a mean of 128 (DeepSeek-V3 TP 4): 128 rows plain (0.90x)
-    assert block_m_rule(2048, 256, 8) == 64  # a mean of 64
+    assert block_m_rule(4096, 8, 2, True) == 256  # prefill, a mean of 1024: 256 rows swapped (0.71-0.86x the 64-row)
+    assert block_m_rule(4096, 256, 8, True) == 128  # a mean of 128 (DeepSeek-V3 TP 4): 128 rows plain (0.90x)
+    assert block_m_rule(2048, 256, 8, True) == 64  # a mean of 64
+    assert block_m_rule(4096, 8, 2) == 64  # without prefill_tiles (a device they were not timed on): 64 rows
+
+
+def test_prefill_tiles_only_where_they_were_timed_and_fit():
+    """configs.prefill_tiles_apply: NVIDIA sm90 only (the 256-row tile needs 104 KB of shared memory there and
+    80 KB on ROCm's gfx942, which has 64 KB); the launch plan and the Triton launcher pass it to default_config."""
+    from vllm_wna16_plugin.kernels.options import DeviceSpec
+    from vllm_wna16_plugin.kernels.triton.configs import prefill_tiles_apply, triton_launch
+    from vllm_wna16_plugin.launch_plan import _triton_plan
+
+    assert prefill_tiles_apply("cuda", 90)
+    for platform, sm in (("cuda", 80), ("cuda", 89), ("cuda", 100), ("rocm", None), ("xpu", None),
+                         ("interpreter", None), ("cpu", None)):  # fmt: skip
+        assert not prefill_tiles_apply(platform, sm), (platform, sm)
+    # Mixtral-8x7B's GEMMs at M=4096 (no tuned table under this device name): 256 rows on sm90, 64 elsewhere
+    big = triton_launch(4096, 8, 4096, 14336, 2, 128, 128, 4, "GPU X", prefill_tiles=True).configs
+    small = triton_launch(4096, 8, 4096, 14336, 2, 128, 128, 4, "GPU X").configs
+    assert [c.BLOCK_SIZE_M for c in big] == [256, 256] and [c.BLOCK_SIZE_M for c in small] == [64, 64]
+    from tests.test_launch_plan import layer_problem
+
+    problem = layer_problem(8, 2, 4096, 14336, 1, 4, 128)  # Mixtral-8x7B, one rank
+    for device, rows in ((DeviceSpec("cuda", 90, "GPU X", 132), 256), (DeviceSpec("rocm", None, "MI300X", 304), 64)):
+        plan = _triton_plan(problem, 4096, device, "triton", [])
+        assert plan.launch.gemm1.config.BLOCK_SIZE_M == rows, device
 
 
 def test_the_prefill_tiles_agree_with_the_h100_run_that_set_them():
@@ -199,10 +224,11 @@ def test_the_prefill_tiles_agree_with_the_h100_run_that_set_them():
 
     from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit, swap_takes_wgmma
 
-    routing = {"qwen3-30b-a3b": (128, 8), "mixtral-8x7b": (8, 2), "deepseek-v2-lite": (64, 6),
-               "Mixtral-8x22B@tp4": (8, 2), "DeepSeek-V3@tp4": (256, 8), "Qwen2-57B-A14B@tp4": (64, 8),
-               "Qwen3-Next-80B-A3B@tp4": (512, 10), "granite-3.1-3b-a800m@tp4": (40, 8),
-               "Llama-4-Scout@tp4": (16, 1)}  # fmt: skip
+    routing = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336),
+               "deepseek-v2-lite": (64, 6, 2048, 1408), "Mixtral-8x22B@tp4": (8, 2, 6144, 4096),
+               "DeepSeek-V3@tp4": (256, 8, 7168, 512), "Qwen2-57B-A14B@tp4": (64, 8, 3584, 640),
+               "Qwen3-Next-80B-A3B@tp4": (512, 10, 2048, 128), "granite-3.1-3b-a800m@tp4": (40, 8, 1536, 128),
+               "Llama-4-Scout@tp4": (16, 1, 5120, 2048)}  # fmt: skip
     times: dict[tuple[str, int], dict[str, float]] = {}
     root = Path(__file__).resolve().parents[2]
     with open(root / "bench/results/h100/results.csv") as f:
@@ -211,13 +237,16 @@ def test_the_prefill_tiles_agree_with_the_h100_run_that_set_them():
                 times.setdefault((r["shape"], int(r["M"])), {})[r["provider"]] = float(r["median_us"])
     checked = 0
     for (shape, m), t in sorted(times.items()):
-        E, top_k = routing[shape]
+        E, top_k, H, inter = routing[shape]
         mean = m * top_k / expected_experts_hit(m * top_k, E)
-        rows = block_m_rule(m, E, top_k)
+        rows = block_m_rule(m, E, top_k, prefill_tiles=True)  # the H100 is sm90
         if rows < 128 or "plugin-triton-alt-p128" not in t:
             continue
+        timed = TritonMoEConfig(rows, 128, 64, GROUP_SIZE_M=8, num_warps=8, num_stages=3, swap_ab=rows == 256)
+        for N, K in ((2 * inter, H), (H, inter)):  # what ships is what was timed, both GEMMs
+            assert default_config(m, E, N, K, top_k, 128, 4, prefill_tiles=True) == replace(timed, swap_ab=False)
         ours = t["plugin-triton-alt-s256" if rows == 256 else "plugin-triton-alt-p128"]
-        assert swap_takes_wgmma(TritonMoEConfig(rows, 128, 64, num_warps=8)) == (rows == 256)
+        assert swap_takes_wgmma(timed) == (rows == 256)
         best = min(v for k, v in t.items() if k.startswith("plugin-triton"))
         assert ours < 0.95 * t["plugin-triton-auto"] and ours <= 1.07 * best, (shape, m, mean, t)
         assert t["plugin-triton-alt-s128"] > t["plugin-triton-auto"], (shape, m)

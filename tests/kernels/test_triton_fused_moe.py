@@ -602,13 +602,14 @@ def test_swapped_tile_matches_reference(M, H, inter, E, top_k, bits, gs1, gs2, z
 
 @pytest.mark.parametrize("M,rows,swapped", [(300, 256, True), (140, 128, False)])
 def test_default_prefill_tiles_match_reference(M, rows, swapped):
-    """default_config's prefill tiles as auto runs them (no config forced): 2 experts, top 2, so every expert gets
-    all M pairs: 256 rows swapped from a mean of 256, 128 plain from 128 (configs.block_m_rule, swap_takes_wgmma),
+    """default_config's prefill tiles as sm90 runs them: 2 experts, top 2, so every expert gets all M pairs: 256 rows swapped from a mean of 256, 128 plain from 128 (configs.block_m_rule, swap_takes_wgmma),
     with zero points, group 32 and GEMM2's K tail (I=96)."""
     p = make_moe_problem(M=M, H=128, inter=96, E=2, top_k=2, bits=4, gs1=32, gs2=32, zp=True, seed=500 + M)
-    cfg = configs.default_config(M, 2, 2 * 96, 128, 2, 32, 4)
-    assert cfg.BLOCK_SIZE_M == rows and configs.swap_form(cfg, KernelOptions()).swap_ab == swapped
-    out, ref = run_both(p, use_td=False)
+    # as sm90 runs them (configs.prefill_tiles_apply; the interpreter's own default keeps 64 rows)
+    cfgs = [configs.default_config(M, 2, n, k, 2, 32, 4, prefill_tiles=True) for n, k in ((2 * 96, 128), (128, 96))]
+    for cfg in cfgs:
+        assert cfg.BLOCK_SIZE_M == rows and configs.swap_form(cfg, KernelOptions()).swap_ab == swapped
+    out, ref = run_both(p, use_td=False, configs=tuple(cfgs))
     assert_close_scaled(out, ref, BF16, f"default {rows}-row prefill tile")
 
 
@@ -935,12 +936,17 @@ def test_default_config_is_legal_and_k_tail_is_small(K, gs, M):
         pytest.param(4096, 8, 4096, 4096, 2, dict(BLOCK_SIZE_M=256, BLOCK_SIZE_N=128, SPLIT_K=1), id="prefill"),
         # 128 pairs per expert (DeepSeek-V3 at TP 4, M=4096): 128-row plain tiles
         pytest.param(4096, 256, 1024, 7168, 8, dict(BLOCK_SIZE_M=128, num_warps=8, num_stages=3), id="prefill-128"),
-        # a short grid (16 experts, 160 columns) narrows BLOCK_N to 64 under a 256-row tile, not to 32
-        pytest.param(4096, 16, 160, 5120, 1, dict(BLOCK_SIZE_M=256, BLOCK_SIZE_N=64), id="prefill-256-narrow"),
+        # a short grid (16 experts, 160 columns) keeps the 256-row tile as timed: N 128, no split
+        pytest.param(
+            4096, 16, 160, 5120, 1, dict(BLOCK_SIZE_M=256, BLOCK_SIZE_N=128, SPLIT_K=1), id="prefill-256-short"
+        ),
+        # without the prefill tiles (a device they were not timed on) the same grid narrows BLOCK_N as before
+        pytest.param(4096, 16, 160, 5120, 1, dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=32), id="prefill-64-short"),
     ],
 )
-def test_default_config_regimes(M, E, N, K, top_k, want):
-    cfg = default_config(M, E, N, K, top_k, 128, 4)
+def test_default_config_regimes(request, M, E, N, K, top_k, want):
+    sm90 = "prefill-64" not in request.node.callspec.id  # as on sm90 (configs.prefill_tiles_apply), but that case
+    cfg = default_config(M, E, N, K, top_k, 128, 4, prefill_tiles=sm90)
     assert {k: getattr(cfg, k) for k in want} == want, cfg
 
 

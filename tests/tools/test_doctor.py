@@ -491,8 +491,10 @@ def test_doctor_reads_the_side_file_loading_reads(tmp_path, fmt, side_name, side
 
 
 def test_doctor_knows_the_layouts_of_newer_moe_models(four_layers, tmp_path):
-    """Qwen3-Next (Qwen's sparse step), ERNIE-4.5-MoE (its start / end index and interval), MiniMax-M2 (Mixtral's
-    block and names) and LFM2-MoE (feed_forward, dense first layers), as vLLM 0.34's model files build them."""
+    """Qwen3-Next (Qwen's sparse step), ERNIE-4.5-MoE (its start / end index and interval, with transformers'
+    defaults), MiniMax-M2 (Mixtral's names; vLLM 0.34 builds its experts under the prefix mlp while the tensors
+    stay under block_sparse_moe) and LFM2-MoE (feed_forward, dense first layers), as vLLM 0.34's model files
+    build them."""
     from vllm_wna16_plugin.tools.doctor import moe_layout, resolve_checkpoint
 
     def prefixes(arch, **fields):
@@ -501,13 +503,22 @@ def test_doctor_knows_the_layouts_of_newer_moe_models(four_layers, tmp_path):
     assert sorted(prefixes("Qwen3NextForCausalLM", mlp_only_layers=[0], decoder_sparse_step=1)) == [1, 2, 3]
     assert prefixes("Ernie4_5_MoeForCausalLM", moe_layer_start_index=1, moe_layer_end_index=2) == {
         1: "model.layers.1.mlp.experts", 2: "model.layers.2.mlp.experts"}  # fmt: skip
-    assert sorted(prefixes("Ernie4_5_MoeForCausalLM", moe_layer_interval=2)) == [1, 3]
-    assert prefixes("MiniMaxM2ForCausalLM")[0] == "model.layers.0.block_sparse_moe.experts"
+    assert sorted(prefixes("Ernie4_5_MoeForCausalLM", moe_layer_start_index=0, moe_layer_interval=2)) == [1, 3]
+    assert sorted(prefixes("Ernie4_5_MoeForCausalLM")) == [1, 2, 3]  # transformers: start 1, end -1 (the last)
+    assert sorted(prefixes("Ernie4_5_MoeForCausalLM", moe_layer_end_index=-1, moe_layer_start_index=2)) == [2, 3]
+    assert prefixes("MiniMaxM2ForCausalLM")[0] == "model.layers.0.mlp.experts"
+    minimax = moe_layout({"architectures": ["MiniMaxM2ForCausalLM"]})[1]
+    assert minimax.as_vllm_names({"model.layers.3.block_sparse_moe.experts.0.w1.qweight", "lm_head.weight"}) == {
+        "model.layers.3.mlp.experts.0.w1.qweight", "lm_head.weight"}  # fmt: skip
     assert prefixes("Lfm2MoeForCausalLM", num_dense_layers=1) == {i: f"model.layers.{i}.feed_forward.experts"
                                                                   for i in (1, 2, 3)}  # fmt: skip
     assert sorted(prefixes("Lfm2MoeForCausalLM")) == [2, 3]  # transformers' default: two dense layers
     for arch in ("MiniMaxM2ForCausalLM", "Lfm2MoeForCausalLM"):
         assert moe_layout({"architectures": [arch]})[1].experts == ("w1", "w3", "w2")  # gate, up, down
+    with pytest.raises(ValueError, match=r"config\.json moe_layer_end_index=-2 is negative"):
+        plan(_with_config(four_layers, tmp_path, architectures=["Ernie4_5_MoeForCausalLM"], moe_layer_end_index=-2))
+    with pytest.raises(ValueError, match=r"none of the 4 layers is an MoE layer"):
+        plan(_with_config(four_layers, tmp_path, architectures=["Ernie4_5_MoeForCausalLM"], use_moe=False))
     with pytest.raises(ValueError, match=r"config\.json moe_layer_start_index=-1 is negative"):
         plan(_with_config(four_layers, tmp_path, architectures=["Ernie4_5_MoeForCausalLM"], moe_layer_start_index=-1))
     with pytest.raises(ValueError, match=r"config\.json num_dense_layers='2' is a string, not an int"):

@@ -155,8 +155,8 @@ class KernelOptions:
       (configs.act_order_form; H100 2026-12-05-c8ee655-ao2: "load" took 1.2-7.7x the rows form's time at M
       4-256, 0.92-1.01x at M=1).
     swap_ab: the Triton tl.dot tile as C.T = dequant(B) @ A.T (configs.swap_form, dequant._tile_dot):
-      None = where the config says so or the rule does (configs.swap_takes_wgmma: >= 16 token rows and >= 64
-      weight rows), True = every tile of BLOCK_SIZE_M >= 16, False = none. The swapped form is for sm90's
+      None = where the config says so or the rule does (configs.swap_takes_wgmma: 16-64 or 256 token rows and
+      >= 64 weight rows), True = every tile of BLOCK_SIZE_M >= 16, False = none. The swapped form is for sm90's
       wgmma, which needs 64 rows of the M operand but takes 8-256 of N: 16-64 routed tokens per expert fit
       N, the weight tile's 64-128 rows fit M. H100 2026-12-05-adcda24-swapfused (six shapes, M 1-1024,
       vLLM 0.34): the layer took 0.84-1.02x the plain tiles' time where the rule swaps, 1.12-1.22x on 32-row

@@ -148,15 +148,21 @@ def _deepseek_moe_layer(c: Mapping, where: str, i: int) -> bool:
 
 
 def _ernie_moe_layer(c: Mapping, where: str, i: int) -> bool:
-    """vLLM's ernie45_moe: moe_layer_start_index <= i <= moe_layer_end_index and (i + 1) % moe_layer_interval == 0."""
+    """vLLM's ernie45_moe: use_moe and moe_layer_start_index <= i <= moe_layer_end_index and (i + 1) %
+    moe_layer_interval == 0, read through transformers' Ernie4_5_MoeConfig (defaults: start 1, end -1 = the last
+    layer, interval 1)."""
     layers = _positive_int(where, "num_hidden_layers", c["num_hidden_layers"], MAX_LAYERS)
+    if c.get("use_moe", True) is False:
+        return False
     bounds = []
-    for key, default in (("moe_layer_start_index", 0), ("moe_layer_end_index", layers - 1)):
+    for key, default in (("moe_layer_start_index", 1), ("moe_layer_end_index", -1)):
         value = c.get(key, default)
-        problem = not_an_int(value) or ("is negative" if value < 0 else None)
+        problem = not_an_int(value) or ("is negative" if value < -1 or (value == -1 and key.endswith("start_index"))
+                                        else None)  # fmt: skip
         if problem:
-            raise ValueError(f"{_field(where, key)}={value!r} {problem}; supported: 0 or a positive int")
-        bounds.append(value)
+            raise ValueError(f"{_field(where, key)}={value!r} {problem}; supported: 0 or a positive int"
+                             f"{' (-1: the last layer)' if key.endswith('end_index') else ''}")  # fmt: skip
+        bounds.append(layers - 1 if value == -1 else value)
     interval = _positive_int(where, "moe_layer_interval", c.get("moe_layer_interval", 1))
     return bounds[0] <= i <= bounds[1] and (i + 1) % interval == 0
 
@@ -177,9 +183,19 @@ class MoELayout:
     block: str  # the decoder layer's MoE block: "mlp", "block_sparse_moe" or "feed_forward"
     is_moe_layer: Callable[[Mapping, str, int], bool]
     experts: tuple[str, ...] = EXPERT_NAMES  # an expert's gate, up, down projections as the model's file names them
+    # the checkpoint's block where vLLM names the layer otherwise (MiniMax-M2: tensors under block_sparse_moe, the
+    # FusedMoE prefix the quantization config sees under mlp); None: the same
+    stored_block: str | None = None
 
     def prefix(self, i: int) -> str:
         return f"model.layers.{i}.{self.block}.experts"
+
+    def as_vllm_names(self, stored: set[str]) -> set[str]:
+        """The safetensors' tensor names under the prefixes vLLM's quantization config sees (prefix())."""
+        if self.stored_block is None:
+            return stored
+        old, new = f".{self.stored_block}.experts.", f".{self.block}.experts."
+        return {n.replace(old, new, 1) for n in stored}
 
 
 # Checked against vLLM 0.26's model files (qwen2_moe, qwen3_moe, mixtral, phimoe, olmoe, deepseek_v2, glm4_moe) and
@@ -195,7 +211,7 @@ MOE_LAYOUTS = {
     "Glm4MoeForCausalLM": MoELayout("mlp", _deepseek_moe_layer),
     "Qwen3NextForCausalLM": MoELayout("mlp", _qwen_moe_layer),
     "Ernie4_5_MoeForCausalLM": MoELayout("mlp", _ernie_moe_layer),
-    "MiniMaxM2ForCausalLM": MoELayout("block_sparse_moe", _every_layer, ("w1", "w3", "w2")),
+    "MiniMaxM2ForCausalLM": MoELayout("mlp", _every_layer, ("w1", "w3", "w2"), stored_block="block_sparse_moe"),
     "Lfm2MoeForCausalLM": MoELayout("feed_forward", _lfm2_moe_layer, ("w1", "w3", "w2")),
 }
 DEFAULT_LAYOUT = MoELayout("mlp", _every_layer)
@@ -440,7 +456,8 @@ def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90")
     parsed = parse_quantization_config(quantization_config_of(model_dir, cfg))
     dims = moe_dims(cfg)
     prefixes, naming = moe_layer_prefixes(cfg, dims)
-    groups = moe_schemes(parsed, prefixes, stored_tensor_names(model_dir), moe_layout(cfg)[1].experts)
+    layout = moe_layout(cfg)[1]
+    groups = moe_schemes(parsed, prefixes, layout.as_vllm_names(stored_tensor_names(model_dir)), layout.experts)
     for g in groups:  # TP-independent: the sizes against each scheme's packing and group size
         if g.scheme is not None:
             check_packable(g.scheme.bits, dims.hidden, dims.intermediate, prefixes[g.layers[0]])

@@ -43,6 +43,7 @@ from vllm_wna16_plugin.kernels.triton.configs import (
     TritonMoEConfig,
     choose_triton_moe_config,
     config_file_name,
+    prefill_tiles_apply,
     triton_launch,
 )
 from vllm_wna16_plugin.kernels.triton.configs import _load as _load_configs
@@ -207,8 +208,9 @@ def tune_slot(
 ) -> SlotResult:
     """Coordinate descent over the Triton configs of one batch size, then the cuda layer (module docstring)."""
     p = bench.problem
+    prefill = prefill_tiles_apply(device.platform, device.sm)
     shipped = triton_launch(m, p.num_experts, p.hidden, p.intermediate, p.top_k, p.group_size_w13,
-                            p.group_size_w2, p.scheme.bits, device.name).configs  # fmt: skip
+                            p.group_size_w2, p.scheme.bits, device.name, prefill_tiles=prefill).configs  # fmt: skip
     result = SlotResult(m, shipped)
     bench.use_copies(m)
 
@@ -231,7 +233,9 @@ def tune_slot(
                     else (p.hidden, p.intermediate, p.group_size_w2))  # fmt: skip
         pair = (lambda c: (c, fixed)) if which == 1 else (lambda c: (fixed, c))
         first = shipped[which - 1]
-        found = [first] + [c for c in stage_a(m, p.num_experts, n, k, p.top_k, gs, p.scheme.bits) if c != first]
+        found = [first] + [
+            c for c in stage_a(m, p.num_experts, n, k, p.top_k, gs, p.scheme.bits, prefill) if c != first
+        ]
         for c in found[: None if max_candidates is None else max_candidates]:
             measure(pair(c), timed, c)
         if not timed:

@@ -2,7 +2,7 @@
 
     stage_a(M, E, N, K, top_k, gs, bits)    tile shapes at 4 warps / 4 stages, default_config first:
         BLOCK_SIZE_M from the tokens per expert ({1} per pair up to 3 tokens per expert, the two largest
-        row tiles they fill), BLOCK_SIZE_N {32, 64, 128} (256 for 64-row tiles), BLOCK_SIZE_K
+        row tiles they fill, up to 256), BLOCK_SIZE_N {32, 64, 128} (256 for 64-128-row tiles), BLOCK_SIZE_K
         {64, 128, 256} legal for the group (per pair also 512 and 1024: wide_block_k)
     stage_b(base, M, E, N, K, top_k, td_ok, bits)   around one tile: warps {4, 8} x stages, SPLIT_K
         {2, 4} where the grid is short of 2 programs per SM, TD where td_gate allows it, the split
@@ -72,9 +72,11 @@ def grid_programs(M: int, E: int, N: int, top_k: int, cfg: TritonMoEConfig) -> i
     return int(blocks * -(-N // cfg.BLOCK_SIZE_N) * cfg.SPLIT_K)
 
 
-def stage_a(M: int, E: int, N: int, K: int, top_k: int, gs: int, bits: int) -> list[TritonMoEConfig]:
-    """Tile shapes at warps 4 / stages 4, default_config first."""
-    first = default_config(M, E, N, K, top_k, gs, bits)
+def stage_a(
+    M: int, E: int, N: int, K: int, top_k: int, gs: int, bits: int, prefill_tiles: bool = False
+) -> list[TritonMoEConfig]:
+    """Tile shapes at warps 4 / stages 4, default_config first (with prefill_tiles: configs.prefill_tiles_apply)."""
+    first = default_config(M, E, N, K, top_k, gs, bits, prefill_tiles)
     out = [first]
     for bm in block_m_choices(M, E, top_k):
         for bn in (32, 64, 128) + ((256,) if 64 <= bm <= 128 else ()):  # 256x256 spills (254 registers at 256x128)
@@ -134,7 +136,8 @@ def stage_b(
 def swap_worth_timing(cfg: TritonMoEConfig) -> bool:
     """The swapped tile (TritonMoEConfig.swap_ab) is timed where it can reach wgmma (a tl.dot tile of >= 16
     token rows, the MMA's N, and >= 64 weight rows, its M: one warpgroup's 64 per m64 instruction) and the
-    rule (configs.swap_takes_wgmma) does not already swap it: the 128-row tiles, never timed swapped."""
+    rule (configs.swap_takes_wgmma) does not already swap it: the 128-row tiles, which the rule keeps plain (swapped
+    they lost at prefill on the H100, 2026-12-05-23a2f37-pf; a tuned entry may still find one faster)."""
     return not cfg.swap_ab and cfg.BLOCK_SIZE_M >= 16 and cfg.BLOCK_SIZE_N >= 64 and not swap_takes_wgmma(cfg)
 
 

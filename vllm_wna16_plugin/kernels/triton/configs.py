@@ -247,11 +247,20 @@ def expected_block_reads(M: int, E: int, top_k: int, block_m: int) -> float:
 BLOCK_M_PREFILL = ((256, 256), (128, 128))
 
 
-def block_m_rule(M: int, E: int, top_k: int) -> int:
+def prefill_tiles_apply(platform: str, sm: int | None) -> bool:
+    """Whether block_m_rule's prefill heights (BLOCK_M_PREFILL) apply on a device: NVIDIA sm90, where they were
+    measured (H100) and where the 256-row swapped tile's 104 KB of shared memory fit. Elsewhere prefill keeps
+    64-row tiles: ROCm's 64 KB of LDS cannot hold the 256-row tile (80 KB on gfx942, from the CPU compile),
+    and no other device has timed them."""
+    return platform == "cuda" and sm == 90
+
+
+def block_m_rule(M: int, E: int, top_k: int, prefill_tiles: bool = False) -> int:
     """BLOCK_SIZE_M of default_config's tl.dot tiles for M tokens (the GEMV regime aside), by mean = pairs /
     experts hit: 16 rows up to a mean of 16; 32 up to 64 unless 32-row tiles would read a hit expert's weights
-    more than BLOCK_M_MAX_REREAD times (expected_block_reads), then 64; 64 up to a mean of 128; then
-    BLOCK_M_PREFILL: 128 rows (plain) from a mean of 128, 256 rows (swapped: swap_takes_wgmma) from 256.
+    more than BLOCK_M_MAX_REREAD times (expected_block_reads), then 64; 64 beyond, except with prefill_tiles
+    (prefill_tiles_apply: sm90) BLOCK_M_PREFILL: 128 rows (plain) from a mean of 128, 256 rows (swapped:
+    swap_takes_wgmma) from 256.
 
     The re-read test is the one change to the former thresholds (16 / 32 / 64 rows by the mean alone). Timed on
     the validation set it was not fitted on (H100, vLLM 0.34, Triton 3.6; bench/results/h100/2026-12-05-
@@ -264,8 +273,8 @@ def block_m_rule(M: int, E: int, top_k: int) -> int:
     candidate written as tables by bench/heuristic_tables.py --tile and timed beside the 64-row tile, 8 warps,
     3 stages, 128 weight rows, BLOCK_K 64). Fitted on the development shapes (Qwen3-30B-A3B, Mixtral-8x7B,
     DeepSeek-V2-Lite, M 1024/4096; their means reach 256-1024): the swapped 256-row tile took 0.71-0.86x the
-    64-row tile's layer time on all 4 points, the plain 128-row tile 0.84-0.89x (ahead of the 256-row one at
-    Qwen3-30B-A3B M=4096 by 2%), the swapped 128-row tile 1.05-1.15x (as in 332769e-bm, whose 128-row tiles
+    64-row tile's layer time on all 4 points, the plain 128-row tile 0.83-0.89x (ahead of the 256-row one at
+    Qwen3-30B-A3B M=4096 by 2%), the swapped 128-row tile 1.06-1.15x (as in 332769e-bm, whose 128-row tiles
     were swapped: 1.08-1.27x). So 256 rows swapped from a mean of 256; from 128 the plain 128-row tile, the H200
     tuner's pick on these shapes (30 of its 72 tl.dot entries, prefill, tuned plain). Checked on the validation
     shapes at TP 4 (not fitted on): 0.73-0.93x the 64-row tile on all 7 points with a mean >= 128, within 7% of
@@ -277,14 +286,16 @@ def block_m_rule(M: int, E: int, top_k: int) -> int:
         return 16
     if mean <= 64 and expected_block_reads(M, E, top_k, 32) <= BLOCK_M_MAX_REREAD:
         return 32
-    for from_mean, rows in BLOCK_M_PREFILL:
+    for from_mean, rows in BLOCK_M_PREFILL if prefill_tiles else ():
         if mean >= from_mean:
             return rows
     return 64
 
 
 @functools.lru_cache(maxsize=4096)
-def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, bits: int) -> TritonMoEConfig:
+def default_config(
+    M: int, E: int, N: int, K: int, top_k: int, group_size: int, bits: int, prefill_tiles: bool = False
+) -> TritonMoEConfig:
     """GPU-blind heuristic for one GEMM where no tuned entry applies (bench/tune.py writes those).
 
     Decode is bound by the weight bytes, so every regime asks for wide, deep B loads:
@@ -296,10 +307,11 @@ def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, 
       small M    (mean <= 16) K 256, N 128 tiles, 4 warps, 4 stages.
       larger M   (mean <= 64) K 64, N 64 tiles, grouped ordering.
       prefill    K 64, N 128 tiles, 8 warps, 3 stages.
-    BLOCK_SIZE_M of the tl.dot regimes is block_m_rule's (64-256 rows at prefill). BLOCK_SIZE_N shrinks from 128
-    (64 per pair) until the grid has >= 2 programs per SM, not below 64 under tiles of 128+ rows (the weight
-    rows wgmma's M takes, the widths the prefill tiles were timed at); if it is still short and K has >= 8 tiles,
-    SPLIT_K (2 or 4) fills it.
+    BLOCK_SIZE_M of the tl.dot regimes is block_m_rule's (64 rows at prefill; 128-256 with prefill_tiles, which
+    callers take from prefill_tiles_apply for the device). BLOCK_SIZE_N shrinks from 128 (64 per pair) until
+    the grid has >= 2 programs per SM; if it is still short and K has >= 8 tiles, SPLIT_K (2 or 4) fills it.
+    Tiles of 128+ rows keep N 128 and no split, as they were timed (granite-3.1 at TP 4, M=1024: its gate/up
+    GEMM had 160 programs of 128x128 and the layer still took 0.93x the 64-row tile's time).
     """
     pairs = max(1, M * top_k)
     hit = expected_experts_hit(pairs, E)
@@ -309,7 +321,7 @@ def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, 
         bm, bk_wish, group_m, warps, stages, bn = 1, 256, 1, 4, 4, 64
         m_blocks = pairs
     else:
-        bm = block_m_rule(M, E, top_k)
+        bm = block_m_rule(M, E, top_k, prefill_tiles)
         if tokens_per_expert <= 16:
             bk_wish, group_m, warps, stages, bn = 256, 1, 4, 4, 128
         elif tokens_per_expert <= 64:
@@ -320,12 +332,14 @@ def default_config(M: int, E: int, N: int, K: int, top_k: int, group_size: int, 
             bk_wish, group_m, warps, stages, bn = 64, 8, 8, 3, 128
         m_blocks = hit * expected_block_reads(M, E, top_k, bm)
     m_blocks = max(1, int(m_blocks))
-    while bn > (64 if bm >= 128 else 32) and m_blocks * -(-N // bn) < MIN_PROGRAMS:
+    timed_as_is = bm >= 128  # the prefill tiles run as they were timed: 128 weight rows, no split (block_m_rule)
+    while not timed_as_is and bn > 32 and m_blocks * -(-N // bn) < MIN_PROGRAMS:
         bn //= 2
     bk = _pick_block_k(K, gs, bk_wish)
     split = 1
     k_tiles = -(-K // bk)
-    while split < 4 and m_blocks * -(-N // bn) * split < MIN_PROGRAMS and k_tiles // (2 * split) >= 4:
+    while (not timed_as_is and split < 4 and m_blocks * -(-N // bn) * split < MIN_PROGRAMS
+           and k_tiles // (2 * split) >= 4):  # fmt: skip
         split *= 2
     return TritonMoEConfig(
         BLOCK_SIZE_M=bm,
@@ -392,8 +406,8 @@ def swap_takes_wgmma(config: TritonMoEConfig) -> bool:
     Qwen3.5-35B-A3B, DeepSeek-V2-Lite, the channel-wise and K=1344 shapes (H100, vLLM 0.34, Triton 3.6,
     bench/results/h100/2026-12-05-adcda24-swapfused*.md): swapped tiles of 64-128 weight rows took 0.84-1.02x
     the plain tile's time at M 4-1024 (0.84-0.91x at M >= 256); 32-row ones 1.12-1.22x (K=1344, M 2-32). Those
-    runs' tiles had 16-64 token rows. 128-row tiles stay plain: swapped (128x128x64, 8 warps) they took 1.05-1.25x
-    the 64-row tile's time at prefill where plain ones took 0.83-0.93x (2026-12-05-23a2f37-pf: 152 registers,
+    runs' tiles had 16-64 token rows. 128-row tiles stay plain: swapped (128x128x64, 8 warps) they took 1.06-1.26x
+    the 64-row tile's time at prefill where plain ones took 0.78-0.93x (2026-12-05-23a2f37-pf: 152 registers,
     one program of 8 warps per SM); 256-row tiles (block_m_rule's prefill tile, 254 registers) run swapped, the
     only form they were timed in, there 0.71-0.93x the 64-row tile. The tuners time the other form of
     128-row tiles (candidates.swap_worth_timing)."""
@@ -487,10 +501,12 @@ def choose_triton_moe_config(
     device_name: str | None = None,
     config_dir: Path | None = None,
     user_dir: Path | None = None,
+    prefill_tiles: bool = False,
 ) -> ConfigChoice:
     """The tuned config nearest to M for this GEMM shape on device_name, else `default_config`
     (no file for the shape and device, or M outside the tuned range; see nearest_tuned_m), with its source.
     user_dir: the user's own tuned configs (user_tables.configs_dir), tried before config_dir / the shipped.
+    prefill_tiles: default_config's (prefill_tiles_apply of the device).
 
     group_size: the GEMM's effective group (-1 or K = channel-wise). A tuned entry
     that is illegal for K/group_size raises (a bad file is a bug, not a fallback).
@@ -518,7 +534,8 @@ def choose_triton_moe_config(
         choice = ConfigChoice(table[m_key], f"tuned {config_file_name(E, N, K, gs, bits, device_name)} at M={m_key}")
     else:
         why = "no tuned file for this shape and device" if not table else f"M={M} outside the tuned range"
-        choice = ConfigChoice(default_config(M, E, N, K, top_k, gs, bits), f"default_config heuristic ({why})")
+        choice = ConfigChoice(default_config(M, E, N, K, top_k, gs, bits, prefill_tiles),
+                              f"default_config heuristic ({why})")  # fmt: skip
     choice.config.check_shape(K, gs)
     return choice
 
@@ -547,12 +564,17 @@ def triton_launch(
     device_name: str | None = None,
     config_dir: Path | None = None,
     user_dir: Path | None = None,
+    prefill_tiles: bool = False,
 ) -> TritonLaunch:
     """Both GEMMs' configs for M tokens (group sizes are effective: K = channel-wise); user_dir: the user's
-    own tuned configs, tried first (choose_triton_moe_config)."""
+    own tuned configs, tried first; prefill_tiles: prefill_tiles_apply of the device (choose_triton_moe_config)."""
     return TritonLaunch(
-        choose_triton_moe_config(M, E, 2 * I, H, top_k, group_size_w13, bits, device_name, config_dir, user_dir),
-        choose_triton_moe_config(M, E, H, I, top_k, group_size_w2, bits, device_name, config_dir, user_dir),
+        choose_triton_moe_config(
+            M, E, 2 * I, H, top_k, group_size_w13, bits, device_name, config_dir, user_dir, prefill_tiles
+        ),  # fmt: skip
+        choose_triton_moe_config(
+            M, E, H, I, top_k, group_size_w2, bits, device_name, config_dir, user_dir, prefill_tiles
+        ),  # fmt: skip
     )
 
 

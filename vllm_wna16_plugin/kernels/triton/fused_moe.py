@@ -44,6 +44,7 @@ from vllm_wna16_plugin.kernels.triton.configs import (
     dot_form,
     fuse_form,
     pair_step,
+    prefill_tiles_apply,
     swap_form,
     triton_launch,
 )
@@ -950,7 +951,8 @@ def fused_moe_wna16_triton(
     cfg1, cfg2 = _as_pair(configs)
     if cfg1 is None or cfg2 is None:
         chosen = triton_launch(M, E, H, inter, top_k, H // w13_scales.shape[-1], inter // w2_scales.shape[-1],
-                               bits, device.name, options.config_dir, configs_dir(device)).configs  # fmt: skip
+                               bits, device.name, options.config_dir, configs_dir(device),
+                               prefill_tiles_apply(platform, sm)).configs  # fmt: skip
         cfg1, cfg2 = cfg1 or chosen[0], cfg2 or chosen[1]
     cfg1 = fuse_form(cfg1, options)  # GEMM2 never fuses: its fuse_act is not read
     fused = activation if cfg1.fuse_act else None

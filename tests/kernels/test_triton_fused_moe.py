@@ -1015,6 +1015,7 @@ forms = {"split": 1, "words": 2, "auto": 2}
 default_form = (DEFAULT_OPTIONS.pair_step_math == "fold") if pair else forms.get(DEFAULT_OPTIONS.dot_nibbles, 0)
 form = int(sys.argv[8]) if len(sys.argv) > 8 else int(default_form)
 bm, bn, warps = (int(v) for v in sys.argv[9:12]) if len(sys.argv) > 11 else (16, 64, 4)
+stages = int(sys.argv[12]) if len(sys.argv) > 12 else 4
 fold = bool(form)
 ptrs = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", s_ptr="*bf16", z_ptr="*u8", topk_weights_ptr="*fp32",
             sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
@@ -1036,9 +1037,9 @@ for i, name in enumerate(kernel.arg_names):
     if name in ptrs or name in divisible:
         attrs[(i,)] = [["tt.divisibility", 16]]  # what the JIT infers for 16-divisible launch arguments
 src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-compiled = triton.compile(src, target=GPUTarget("cuda", sm, 32), options=dict(num_warps=warps, num_stages=4))
+compiled = triton.compile(src, target=GPUTarget("cuda", sm, 32), options=dict(num_warps=warps, num_stages=stages))
 ptx = compiled.asm["ptx"]
-tags = []
+tags = ["SHARED=%d" % compiled.metadata.shared]
 if len(sys.argv) > 11:  # local-memory stores and loads (register spills) in the SASS, by Triton's nvdisasm
     import subprocess, tempfile
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
@@ -1156,6 +1157,20 @@ def test_fused_activation_kernels_compile_for_sm90_without_spills(pair, td, bk, 
         tags = _compile_for_gpu(90, 4, td, 0, even_k, pair, bk, form, bm, bn, 4, fuse=True)
         local = int(next(t for t in tags if t.startswith("LOCAL=")).split("=")[1])
         assert want in tags and local <= 4, tags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bm,swap", [(256, True), (128, False)], ids=["256-swapped", "128-plain"])
+def test_prefill_tiles_compile_for_sm90_on_wgmma_without_spills(bm, swap, bits):
+    """default_config's prefill tiles on sm90 (configs.block_m_rule with prefill_tiles: 128x128x64 plain, 256x128x64
+    swapped, 8 warps, 3 stages), int4 and int8 with zero points at group 32, K tails too: wgmma, no register spill
+    worth a load, and shared memory within sm90's 227 KB per block (the 256-row tile takes 104-115 KB)."""
+    for even_k in (1, 0):
+        tags = _compile_for_gpu(90, bits, 0, 0, even_k, 0, 64, 0, bm, 128, 8, 3, swap=swap)
+        local = int(next(t for t in tags if t.startswith("LOCAL=")).split("=")[1])
+        shared = int(next(t for t in tags if t.startswith("SHARED=")).split("=")[1])
+        assert "WGMMA" in tags and local <= 4 and shared <= 227 * 1024, tags
 
 
 @pytest.mark.slow

@@ -273,3 +273,16 @@ def dequantize_attention(src: Path, dst: Path) -> Path:
 
 
 requires_gpu = pytest.mark.skipif(gpus() == 0, reason="needs a CUDA GPU")
+
+# what a run under `auto` logs when its layers composed with Humming, and when told not to (launch_plan)
+HUMMING_COMPOSED = "run on Humming (vLLM's default here); the layer keeps a second copy"
+HUMMING_NOT_COMPOSED = "not composed with Humming (VLLM_WNA16_PLUS_HUMMING=0)"
+
+
+def humming_missing() -> str | None:
+    """Why auto cannot compose with Humming on this machine, or None where it can."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return "the Humming rule speaks for sm90 only"
+    from vllm_wna16_plugin.backends.humming import humming_api_error
+
+    return humming_api_error()

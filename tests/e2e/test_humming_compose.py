@@ -10,27 +10,17 @@ keep it to one copy (the plugin's kernels alone), generating alike too.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.e2e.conftest import assert_generates_like, requires_gpu, run_llm
+from tests.e2e.conftest import HUMMING_COMPOSED as COMPOSED
+from tests.e2e.conftest import HUMMING_NOT_COMPOSED as NOT_COMPOSED
+from tests.e2e.conftest import assert_generates_like, humming_missing, requires_gpu, run_llm
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
-
-COMPOSED = "run on Humming (vLLM's default here); the layer keeps a second copy"
-NOT_COMPOSED = "not composed with Humming (VLLM_WNA16_PLUS_HUMMING=0)"
-
-
-def _humming_missing() -> str | None:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        return "the Humming rule speaks for sm90 only"
-    from vllm_wna16_plugin.backends.humming import humming_api_error
-
-    return humming_api_error()
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    if why := _humming_missing():
+    if why := humming_missing():
         pytest.skip(why)
     from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
 

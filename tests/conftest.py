@@ -39,6 +39,16 @@ def vllm_cpu():
         yield cfg
 
 
+def simulate_ep_rank(monkeypatch, vllm_cfg, rank: int) -> None:
+    """Make the next layers built at tp_size=EP one rank of vLLM's own expert parallelism (`--enable-expert-
+    parallel`: TP ranks become EP ranks, each holding E/EP whole experts and an expert_map): the parallel
+    config asks for it, and vLLM's MoE parallel config reads this rank (one process holds every rank)."""
+    import vllm.model_executor.layers.fused_moe.config as moe_config
+
+    monkeypatch.setattr(vllm_cfg.parallel_config, "enable_expert_parallel", True)
+    monkeypatch.setattr(moe_config, "get_tensor_model_parallel_rank", lambda: rank)
+
+
 def build_moe_layer(
     vllm_cfg, raw: dict, *, E, H, I, top_k, tp_size=1, ckpt_names=("gate_proj", "down_proj", "up_proj")
 ):

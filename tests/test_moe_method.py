@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import build_moe_layer
+from tests.conftest import build_moe_layer, simulate_ep_rank
 from vllm_wna16_plugin import _vllm, packing
 from vllm_wna16_plugin.reference import fused_moe_ref
 
@@ -134,28 +134,86 @@ def test_layer_loads_and_matches_float_reference(vllm_cpu, fmt, bits, gs, sym, v
 
 
 @pytest.mark.parametrize(
-    "fmt, gs",
+    "fmt, bits, gs, sym, v2",
     [
-        pytest.param("gptq", 32, id="gptq-gs32"),
-        pytest.param("compressed-tensors", -1, id="ct-channelwise"),  # channel-wise: w2 scales kept whole per rank
-        pytest.param("awq", 128, id="awq-gs128-regroup"),  # I/TP=64 < 128: scales re-grouped exactly to 64
+        pytest.param("gptq", 4, 32, True, False, id="gptq-gs32"),
+        pytest.param("gptq", 8, 128, False, True, id="gptq-int8-gs128-asym-v2-regroup"),
+        pytest.param("gptq", 4, 64, False, False, id="gptq-gs64-asym-v1"),
+        pytest.param("compressed-tensors", 4, -1, True, False, id="ct-channelwise"),  # w2 scales whole per rank
+        pytest.param("compressed-tensors", 4, 128, False, False, id="ct-gs128-asym-regroup"),
+        pytest.param("compressed-tensors", 8, 64, True, False, id="ct-int8-gs64"),
+        pytest.param("awq", 4, 128, False, False, id="awq-gs128-regroup"),  # I/TP=64 < 128: re-grouped exactly to 64
+        pytest.param("awq", 4, 32, False, False, id="awq-gs32"),
     ],
 )
-def test_tp_rank_shards_sum_to_the_full_layer(vllm_cpu, monkeypatch, fmt, gs):
+def test_tp_rank_shards_sum_to_the_full_layer(vllm_cpu, monkeypatch, fmt, bits, gs, sym, v2):
     tp = 2
-    q13, q2 = _random_experts(4, gs, sym=fmt != "awq", seed=3)
-    weights = _weights(fmt, q13, q2)
+    q13, q2 = _random_experts(bits, gs, sym, seed=3 + bits + gs)
+    weights = _weights(fmt, q13, q2, v2)
     x, w, ids = _routing(seed=4)
     ref = fused_moe_ref(x, packing.dequantize(q13), packing.dequantize(q2), w, ids)
     partial = torch.zeros_like(ref, dtype=torch.float32)
     for rank in range(tp):
         monkeypatch.setattr(_vllm, "layer_tp", lambda layer, r=rank: (r, tp))
-        layer = _build(vllm_cpu, RAW[fmt](4, gs, fmt != "awq"), tp_size=tp)
+        layer = _build(vllm_cpu, RAW[fmt](bits, gs, sym, v2), tp_size=tp)
         assert layer.intermediate_size_per_partition == I // tp
         list(layer.load_weights(weights))
         layer.quant_method.process_weights_after_loading(layer)
         partial += _forward(layer, x, w, ids).float()
     _assert_close(partial, ref, f"{fmt} TP={tp} sum of ranks")
+
+
+@pytest.mark.parametrize(
+    "fmt, bits, gs, sym",
+    [
+        pytest.param("gptq", 4, 32, True, id="gptq-int4-gs32"),
+        pytest.param("gptq", 8, 128, False, id="gptq-int8-gs128-asym"),
+        pytest.param("awq", 4, 128, False, id="awq-int4-gs128"),
+        pytest.param("compressed-tensors", 4, -1, True, id="ct-int4-channelwise"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["reference", "triton"])  # triton: the interpreter on CPU
+def test_ep_ranks_load_their_own_experts_and_sum_to_the_full_layer(vllm_cpu, monkeypatch, fmt, bits, gs, sym,
+                                                                     backend):  # fmt: skip
+    """Expert parallelism as vLLM builds it (`--enable-expert-parallel`, TP=2 -> EP=2): each rank's layer holds
+    E/2 whole experts and vLLM's expert_map (-1 for the other rank's), its loader receives every expert of the
+    checkpoint and keeps its own, and its forward adds only its experts' pairs. The ranks' outputs must sum to
+    the full layer's (vLLM reduces them), and each rank alone must not equal it."""
+    ep = 2
+    monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", backend)
+    q13, q2 = _random_experts(bits, gs, sym, seed=30 + bits)
+    weights = _weights(fmt, q13, q2)
+    x, w, ids = _routing(seed=31, m=8)
+    ref = fused_moe_ref(x, packing.dequantize(q13), packing.dequantize(q2), w, ids)
+    total = torch.zeros_like(ref, dtype=torch.float32)
+    for rank in range(ep):
+        simulate_ep_rank(monkeypatch, vllm_cpu, rank)
+        layer = _build(vllm_cpu, RAW[fmt](bits, gs, sym), tp_size=ep)
+        assert layer.expert_map is not None and layer.quant_method.num_local_experts == E // ep
+        assert layer.quant_method.selection.backend.name == backend
+        assert _vllm.layer_global_experts(layer) == E and _vllm.layer_tp(layer) == (0, 1)  # whole experts
+        mine = [g for g in range(E) if _vllm.layer_local_expert_id(layer, g) >= 0]
+        assert len(mine) == E // ep
+        list(layer.load_weights(weights))
+        layer.quant_method.process_weights_after_loading(layer)  # every local expert loaded, or it names one
+        part = _forward(layer, x, w, ids).float()
+        own = torch.isin(ids, torch.tensor(mine))
+        alone = fused_moe_ref(x, packing.dequantize(q13), packing.dequantize(q2), w * own, ids)
+        _assert_close(part, alone, f"{fmt} EP rank {rank} of {ep}: its experts' pairs only")
+        assert (part - ref.float()).abs().max() > ref.float().abs().max() * 2**-4, "one rank computed every expert"
+        total += part
+    _assert_close(total, ref, f"{fmt} EP={ep} sum of ranks")
+
+
+def test_an_ep_rank_missing_one_of_its_experts_names_it_by_global_id(vllm_cpu, monkeypatch):
+    simulate_ep_rank(monkeypatch, vllm_cpu, 1)
+    q13, q2 = _random_experts(4, 32, True, seed=32)
+    layer = _build(vllm_cpu, RAW["gptq"](4, 32, True), tp_size=2)
+    mine = [g for g in range(E) if _vllm.layer_local_expert_id(layer, g) >= 0]
+    drop = f"{mine[-1]}.down_proj.scales"
+    list(layer.load_weights([(n, t) for n, t in _weights("gptq", q13, q2) if n != drop]))
+    with pytest.raises(ValueError, match=rf"missing 1 tensor.*experts\.{mine[-1]}\.down_proj\.scales"):
+        layer.quant_method.process_weights_after_loading(layer)
 
 
 def test_missing_expert_tensor_is_named_at_load(vllm_cpu):

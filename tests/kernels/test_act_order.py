@@ -590,3 +590,32 @@ def test_act_order_kernels_compile_for_sm90_with_b_loads_unchanged(pair, even_k)
     assert ("LDV4" if pair else "CPASYNC16") in tags, tags
     # (per pair: the folded step's few converts are the zero points, as without act order)
     assert int(next(t for t in tags if t.startswith("I2F=")).split("=")[1]) <= (8 if pair else 0), tags
+
+
+def test_gptq_desc_act_under_ep2_keeps_each_experts_order_and_ranks_sum_to_the_layer(vllm_cpu, monkeypatch):
+    """Expert parallelism holds whole experts, so act order needs no padding there: each EP rank sorts its own
+    experts by their g_idx (local ids, not global ones) on triton, and the ranks sum to the full layer."""
+    from tests.conftest import build_moe_layer, simulate_ep_rank
+
+    monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(21)
+    w13, w2, weights = _gptq_checkpoint(gen)
+    x = torch.randn(6, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:TOP_K] for _ in range(6)])
+    w = torch.rand(6, TOP_K, generator=gen)
+    ref = fused_moe_ref(x, w13, w2, w, ids).float()
+    total = torch.zeros(6, H)
+    for rank in range(2):
+        simulate_ep_rank(monkeypatch, vllm_cpu, rank)
+        layer = build_moe_layer(vllm_cpu, RAW_GPTQ_ACT, E=E, H=H, I=I, top_k=TOP_K, tp_size=2)
+        list(layer.load_weights(weights))
+        method = layer.quant_method
+        method.process_weights_after_loading(layer)
+        assert method.problem.has_g_idx and not method.problem.act_order_padded
+        assert method.runner.states["triton"].w13_qweight.shape[0] == E // 2
+        out = method.apply(layer, x, w, ids, None, None).float()
+        mine = torch.tensor([g for g in range(E) if _vllm.layer_local_expert_id(layer, g) >= 0])
+        alone = fused_moe_ref(x, w13, w2, w * torch.isin(ids, mine), ids).float()
+        assert_close_scaled(out, alone, BF16, f"GPTQ desc_act, EP rank {rank} of 2")
+        total += out
+    assert_close_scaled(total, ref, BF16, "GPTQ desc_act, EP=2, sum of ranks")

@@ -176,8 +176,10 @@ def marlin_on_cpu(on_cuda, monkeypatch):
     from vllm.model_executor.kernels.linear.mixed_precision import marlin
 
     monkeypatch.setattr(ops, "gptq_marlin_repack", lambda q, *args, **kwargs: q.clone())
-    if hasattr(marlin, "marlin_make_workspace_new"):  # 0.26: sized by the GPU's SM count
-        monkeypatch.setattr(marlin, "marlin_make_workspace_new", lambda device, *a: torch.zeros(1, dtype=torch.int))
+    if hasattr(marlin, "marlin_make_workspace_new"):  # 0.26-0.30: sized by the GPU's SM count (0.29-0.30: existing=)
+        monkeypatch.setattr(
+            marlin, "marlin_make_workspace_new", lambda device, *a, **k: torch.zeros(1, dtype=torch.int)
+        )
 
 
 def _config(raw):

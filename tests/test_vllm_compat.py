@@ -223,3 +223,10 @@ def test_the_plugins_variable_wins_over_moe_backend_and_says_so():
     assert resolve_request("emulation", env=env) == ("reference", ENV_BACKEND)  # the same backend: nothing to say
     assert resolve_request("deep_gemm", env=env) == ("reference", f"{ENV_BACKEND} (over --moe-backend=deep_gemm)")
     assert resolve_request("Triton", env=env) == ("reference", f"{ENV_BACKEND} (over --moe-backend=triton)")
+
+
+def test_vllms_in_tree_block_k_is_read_for_doctor():
+    """doctor's column of vLLM's own BLOCK_SIZE_K (the heuristic the plugin replaces): an int from vLLM's
+    get_moe_wna16_block_config for a real shape (Qwen3-30B-A3B's gate/up GEMM at M=16), through _vllm only."""
+    k = _vllm.moe_wna16_block_k(16, 8, 128, 2048, 1536, 128)
+    assert isinstance(k, int) and k > 0 and 2048 % k == 0, k

@@ -12,7 +12,7 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | model_executor.layers.quantization.register_quantization_config / get_quantization_config | registers `moe_wna16_plus`; looks it up for layers built without an engine | 0.26-0.34 | public API |
 | ...quantization.base_config.QuantizationConfig / QuantizeMethodBase | base classes of our config/method | 0.26-0.34 (same six abstract methods) | public API |
 | QuantizationConfig.get_checkpoint_weight_mapper | the base drops every `.g_idx` tensor; ours keeps the experts' (act order) | absent 0.26-0.29; 0.30-0.34 a WeightsMapper dropping suffix `.g_idx` (`has_checkpoint_weight_mapper`) | - |
-| model_executor.models.utils.WeightsMapper | the mapper ours returns; the model's renames applied to the names our rules and the stored tensors use (`map_weight_name`) | 0.26-0.34; the name mapping is `_map_name` 0.26-0.34, also public as `map_name` in 0.34 | - |
+| model_executor.models.utils.WeightsMapper | the mapper ours returns; the model's renames applied to the names our rules and the stored tensors use (`map_weight_name`) | 0.26-0.34; the name mapping is `_map_name` 0.26-0.34, also public as `map_name` from 0.31 | - |
 | ...fused_moe.FusedMoEMethodBase, RoutedExperts, UnquantizedFusedMoEMethod | the MoE method contract and the layer it owns | 0.26-0.34 | - |
 | ...fused_moe.FusedMoE / FusedMoEFactory | building a MoE layer without an engine (`fused_moe_layer_cls`) | `FusedMoE` 0.26; `FusedMoEFactory` 0.27-0.34, same keywords, returns the runner whose `.routed_experts` we own | - |
 | ...fused_moe.config.int4_w4a16_moe_quant_config / int8_w8a16_moe_quant_config | `get_fused_moe_quant_config` (read by vLLM's runner) | 0.26-0.34 | - |
@@ -20,25 +20,26 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | RoutedExperts.global_num_experts / expert_map | every expert's scheme checked at config time (`layer_global_experts`); EP routing | 0.26-0.34 | - |
 | RoutedExperts.ckpt_gate_proj_name / ckpt_up_proj_name / ckpt_down_proj_name | the names a layer's rules are probed with, as vLLM's compressed-tensors MoE method probes them (`layer_expert_names`: Mixtral's w1/w3/w2) | 0.26-0.34 (RoutedExperts' constructor arguments, default gate_proj/up_proj/down_proj; read with those defaults where absent) | - |
 | FusedMoEConfig.tp_rank / tp_size / moe_backend | TP sharding and `--moe-backend` | 0.26-0.34 | - |
-| config.kernel.MoEBackend (Literal) | vLLM's `--moe-backend` names, for a precise refusal (`vllm_moe_backend_names`) | 0.26-0.34, names added over time (0.34: batched_triton, b12x, rdna3, ...) | - |
+| config.kernel.MoEBackend (Literal) | vLLM's `--moe-backend` names, for a precise refusal (`vllm_moe_backend_names`) | 0.26-0.34, names added over time (batched_triton 0.27, b12x 0.29, rdna3 0.30, ...) | - |
 | ...linear.LinearBase, UnquantizedLinearMethod | delegation of linear layers | 0.26-0.34 | - |
 | ...layers.attention.Attention; ...compressed_tensors.CompressedTensorsKVCacheMethod | a compressed-tensors `kv_cache_scheme` (fp8 KV cache, the checkpoint's k/v scales) runs as vLLM's own config runs it: that method for Attention layers, built on our config (it reads only `kv_cache_scheme`; vLLM's whole config would refuse act-order experts from 0.30) | 0.26-0.34 (same paths) | - |
 | ...vocab_parallel_embedding.ParallelLMHead | a GPTQ/AWQ `lm_head: true` head goes to the in-tree method (which takes it as a linear layer) | 0.26-0.34 | - |
 | ...quantization.auto_gptq.AutoGPTQConfig, auto_awq.AutoAWQConfig, compressed_tensors.CompressedTensorsConfig | linear layers run vLLM's in-tree method of the format | 0.26-0.34 paths; from 0.30 GPTQ `desc_act` with groups and compressed-tensors `actorder: group` raise ValueError (we refuse per linear layer, naming it); AutoGPTQConfig takes `sym: true` only (its TYPE_MAP), so `sym: false` linears go to gptq_linear.py | - |
 | transformers_utils.config.get_safetensors_params_metadata | which linear modules are stored quantized (as AutoGPTQConfig.maybe_update_config does) | 0.26-0.34 | - |
-| ...fused_moe.moe_align_block_size.moe_align_block_size | token alignment for our kernels on GPU; the humming backend's (`ignore_invalid_experts=True`) | 0.26-0.34 (0.34 adds optional keywords) | - |
-| ...fused_moe.moe_fused_mul_sum.moe_fused_mul_sum | the humming backend's top-k weighted sum (`align_and_weighted_sum_pieces`) | 0.26-0.34 | - |
+| ...fused_moe.moe_align_block_size.moe_align_block_size | token alignment for our kernels on GPU; the humming backend's (`ignore_invalid_experts=True`) | 0.26-0.34 (0.31 adds the optional `return_scatter_idx`) | - |
+| ...fused_moe.moe_fused_mul_sum.moe_fused_mul_sum | the humming backend's top-k weighted sum (`align_and_weighted_sum_pieces`) | 0.26-0.34 (0.29 adds the optional `num_valid_tokens`) | - |
 | vllm._custom_ops.moe_wna16_gemm / moe_sum | the `vllm_cuda` backend (vLLM's CUDA GEMM with our legal configs) | 0.26-0.34 (same op schemas) | our csrc kernel replaces it |
-| vllm._custom_ops.gptq_marlin_moe_repack | the `marlin` backend's weight repack | `(q, perm, k, n, bits)` 0.26-0.29; `(q, k, n, bits[, is_a_8bit])` 0.30-0.34 (`marlin_moe_repack`: "perm" in its signature) | - |
-| ...fused_moe.experts.marlin_moe.fused_marlin_moe + marlin_utils helpers, fused_moe.activation.MoEActivation, scalar_type.scalar_types | the `marlin` backend | `is_k_full`/`g_idx`/`sort_indices` keywords 0.26-0.29, gone 0.30-0.34 (`fused_marlin_moe_fn`: "is_k_full" in its signature) | - |
+| vllm._custom_ops.gptq_marlin_moe_repack | the `marlin` backend's weight repack | `(q, perm, k, n, bits, is_a_8bit=False)` 0.26-0.29; `(q, k, n, bits, is_a_8bit=False)` 0.30-0.33; `(q, k, n, bits)` 0.34 (`marlin_moe_repack`: "perm" in its signature; `is_a_8bit` never passed) | - |
+| ...fused_moe.experts.marlin_moe.fused_marlin_moe + marlin_utils helpers, fused_moe.activation.MoEActivation, scalar_type.scalar_types | the `marlin` backend | `is_k_full`/`g_idx`/`sort_indices` keywords 0.26-0.29, gone 0.30-0.34 (`fused_marlin_moe_fn`: "is_k_full" in its signature); its clamp/alpha/beta keywords (not passed) became `activation_config` in 0.28 | - |
 | logger.configure_logging_if_needed, config.logging.LoggingConfig | our CLI tools' INFO lines in vLLM's format | absent 0.26-0.30 (vLLM configures at import); 0.31-0.34 configured lazily by entry points (`configure_logging`) | - |
-| ...linear.LinearMethodBase, register_weight_loader_v2_supported_method | our asymmetric-GPTQ linear method (gptq_linear.py) loads through vLLM's parameter classes (weight_loader_v2 is chosen by class name) | 0.26.0 and 0.34.0 checked, same form | - |
-| model_executor.parameter.PackedvLLMParameter / PackedColumnParameter / GroupQuantScaleParameter / ChannelQuantScaleParameter / RowvLLMParameter, model_executor.utils.replace_parameter | GPTQ-layout linear parameters sharded and merged (qkv, gate_up) exactly as vLLM's AutoGPTQLinearMethod creates them | 0.26.0 and 0.34.0 checked, same constructors | - |
-| kernels.linear.MPLinearLayerConfig + kernels.linear.mixed_precision.marlin.MarlinLinearKernel, scalar_type.scalar_types.uint4 | asymmetric GPTQ linears on vLLM's Marlin with integer (AWQ-style) zero points, as compressed-tensors' asymmetric W4A16 runs | 0.26.0: the config has a required `has_g_idx` and the kernel takes `w_gidx_param_name`; 0.34.0: neither (`marlin_zp_linear_kernel`: `dataclasses.fields`). Same zero-point input in both: the zp parameter's `.t()` is (G, N/pack) int32 packed along N, true zeros; `can_implement` takes uint4 only (no uint8 with zero points) | - |
-| vllm._custom_ops.gptq_gemm / gptq_shuffle | asymmetric GPTQ linears Marlin cannot take (int8, act order, other group sizes), float16 only: vLLM's exllama kernel reads GPTQ v1 or v2 zero points natively | 0.26.0: `(a, q, qzeros, scales, g_idx, use_exllama, use_v2_format, bit)`, `gptq_shuffle(q, perm, bit)`; 0.34.0: no `g_idx` / `perm` (no act order) (`gptq_exllama_ops`: "b_g_idx" in its signature) | - |
-| FusedMoEConfig.has_bias / swiglu_limit / swiglu_alpha / swiglu_beta / activation_situ_beta / activation_situ_linear_beta | experts with biases or a clamped/scaled gated activation (gpt-oss, EXAONE-MoE, Bailing-V3, Kimi SituGLU) are refused at load: our kernels compute neither (`layer_expert_math`) | `has_bias`, `swiglu_limit`, `swiglu_alpha` 0.26.0 and 0.34.0; `swiglu_beta`, `activation_situ_*` 0.34.0, absent 0.26.0 (read with a default) | - |
-| config.get_current_vllm_config().cache_config.gpu_memory_utilization / resolved_gpu_memory_utilization() | how much memory composing a layer with Humming may take (`gpu_memory_utilization`) | a float, default 0.9, 0.26-0.33; 0.34 `None` by default, resolved by the method (1.0 with its extensible KV cache) | - |
+| ...linear.LinearMethodBase, register_weight_loader_v2_supported_method | our asymmetric-GPTQ linear method (gptq_linear.py) loads through vLLM's parameter classes (weight_loader_v2 is chosen by class name) | 0.26-0.34, same form | - |
+| model_executor.parameter.PackedvLLMParameter / PackedColumnParameter / GroupQuantScaleParameter / ChannelQuantScaleParameter / RowvLLMParameter, model_executor.utils.replace_parameter | GPTQ-layout linear parameters sharded and merged (qkv, gate_up) exactly as vLLM's AutoGPTQLinearMethod creates them | 0.26-0.34, same constructors; `replace_parameter` renames its third parameter in 0.28 and drops `prefer_copy` in 0.33 (we pass the three positionally) | - |
+| kernels.linear.MPLinearLayerConfig + kernels.linear.mixed_precision.marlin.MarlinLinearKernel, scalar_type.scalar_types.uint4 | asymmetric GPTQ linears on vLLM's Marlin with integer (AWQ-style) zero points, as compressed-tensors' asymmetric W4A16 runs | 0.26-0.29: the config has a required `has_g_idx` and the kernel takes `w_gidx_param_name`; 0.30-0.34: neither (`marlin_zp_linear_kernel`: `dataclasses.fields`). Same zero-point input in both: the zp parameter's `.t()` is (G, N/pack) int32 packed along N, true zeros; `can_implement` takes uint4 only (no uint8 with zero points) | - |
+| vllm._custom_ops.gptq_gemm / gptq_shuffle | asymmetric GPTQ linears Marlin cannot take (int8, act order, other group sizes), float16 only: vLLM's exllama kernel reads GPTQ v1 or v2 zero points natively | 0.26-0.29: `(a, q, qzeros, scales, g_idx, use_exllama, use_v2_format, bit)`, `gptq_shuffle(q, perm, bit)`; 0.30-0.34: no `g_idx` / `perm` (no act order) (`gptq_exllama_ops`: "b_g_idx" in its signature) | - |
+| FusedMoEConfig.has_bias / swiglu_limit / swiglu_alpha / swiglu_beta / activation_situ_beta / activation_situ_linear_beta | experts with biases or a clamped/scaled gated activation (gpt-oss, EXAONE-MoE, Bailing-V3, Kimi SituGLU) are refused at load: our kernels compute neither (`layer_expert_math`) | `has_bias`, `swiglu_limit`, `swiglu_alpha`, `swiglu_beta` 0.26-0.34; `activation_situ_*` from 0.27 (read with a default) | - |
+| config.get_current_vllm_config().cache_config.gpu_memory_utilization / resolved_gpu_memory_utilization() | how much memory composing a layer with Humming may take (`gpu_memory_utilization`) | a float, default 0.92, 0.26-0.33; 0.34 `None` by default, resolved by the method (1.0 with its extensible KV cache) | - |
 | config.VllmConfig / DeviceConfig / set_current_vllm_config, distributed.init_distributed_environment / initialize_model_parallel | building our MoE layers on CPU without an engine (`vllm-wna16 demo` without a GPU, layer tests) | 0.26-0.34 | - |
+| ...fused_moe.fused_moe.get_moe_wna16_block_config | `doctor` shows the BLOCK_SIZE_K vLLM's in-tree moe_wna16 CUDA path would launch beside ours (`moe_wna16_block_k`) | 0.26-0.34, same signature | - |
 
 Every import is lazy (inside a function) so `import vllm_wna16_plugin` stays cheap and
 works without vLLM; callers get a clear error when vLLM is missing.
@@ -383,7 +384,9 @@ def layer_moe_backend(layer_or_moe_config) -> str:
     return str(getattr(cfg, "moe_backend", "auto") or "auto")
 
 
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default where the current config says nothing
+DEFAULT_GPU_MEMORY_UTILIZATION = (
+    0.9  # outside an engine's config (an engine's CacheConfig defaults to 0.92 in 0.26-0.33)
+)
 
 
 def gpu_memory_utilization() -> float:
@@ -555,6 +558,20 @@ def align_and_weighted_sum_pieces() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ MoE layers without an engine
+
+
+def moe_wna16_block_k(num_tokens: int, top_k: int, experts: int, size_k: int, size_n: int, group_size: int):
+    """The BLOCK_SIZE_K vLLM's in-tree moe_wna16 CUDA path would launch for one GEMM (its
+    get_moe_wna16_block_config, the heuristic the plugin exists to replace), for `doctor` to show beside the
+    plugin's legal one; None where vLLM is not importable (doctor runs without it)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.fused_moe import get_moe_wna16_block_config
+    except Exception:  # noqa: BLE001
+        return None
+    cfg = get_moe_wna16_block_config(config={}, use_moe_wna16_cuda=True, num_valid_tokens=num_tokens * top_k,
+                                     size_k=size_k, size_n=size_n, num_experts=experts, group_size=group_size,
+                                     real_top_k=top_k, block_size_m=min(16, num_tokens))  # fmt: skip
+    return cfg["BLOCK_SIZE_K"]
 
 
 @contextlib.contextmanager

@@ -116,13 +116,21 @@ def test_plan_only_skips_the_import_check(monkeypatch):
     assert "humming-kernels is not installed" in BACKEND.incompatibility_reason(_problem(plan_only=False))
 
 
-def test_refuses_humming_without_the_0_1_19_api(monkeypatch):
+@pytest.mark.parametrize("version", ["0.1.10", "0.1.17", None])  # None: metadata unreadable, the import decides
+def test_refuses_humming_without_the_0_1_19_api(monkeypatch, version):
+    """Whatever humming-kernels this environment has (vLLM 0.28-0.32 pin 0.1.12-0.1.17): the installed version
+    is faked as well as the module, so the refusal is the one a user of that version sees."""
+    import vllm_wna16_plugin.backends.humming as humming
+
     old = types.ModuleType("humming")  # humming 0.1.10 (vLLM 0.26's pin) has no humming.forward
-    old.__version__ = "0.1.10"
+    old.__version__ = version or "0.1.10"
     monkeypatch.setitem(sys.modules, "humming", old)
     monkeypatch.setitem(sys.modules, "humming.forward", None)
+    monkeypatch.setattr(humming, "_installed_humming_version", lambda: version)
     reason = BACKEND.incompatibility_reason(_problem(plan_only=False))
-    assert "humming-kernels 0.1.10 is installed" in reason and "humming-kernels==0.1.19" in reason, reason
+    shown = version or "0.1.10"  # the module's own __version__ where the metadata says nothing
+    assert f"humming-kernels {shown} is installed" in reason and "humming-kernels==0.1.19" in reason, reason
+    assert "0.1.17 (0.32)" in reason and "0.1.19 (0.33-0.34)" in reason, reason
 
 
 def test_never_raises_with_the_humming_installed_here():

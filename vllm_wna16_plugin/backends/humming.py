@@ -49,6 +49,14 @@ from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, 
 logger = _vllm.init_logger(__name__)
 
 HUMMING_REQUIREMENT = "humming-kernels==0.1.19"
+# The humming-kernels each vLLM pins (its requirements, 0.26.0-0.34.0 unpacked 2026-12-05). The backend was
+# written and GPU-checked against 0.1.19 only, the pin of vLLM 0.33-0.34, where vLLM's own WNA16 MoE oracle puts
+# Humming first on sm90 (0.28-0.32 list it after Marlin and Triton). 0.1.12 lacks names this backend calls;
+# 0.1.16 and 0.1.17 have them, with other kernels and layouts, never run here.
+VLLM_HUMMING_PINS = "0.1.10 (vLLM 0.26-0.27), 0.1.12 (0.28-0.30), 0.1.16 (0.31), 0.1.17 (0.32), 0.1.19 (0.33-0.34)"
+_OLDER_PINS = (
+    f"the backend is written and checked for 0.1.19 only (what vLLM 0.33-0.34 install; vLLM pins {VLLM_HUMMING_PINS})"
+)
 PAD_N_TO = 256  # what vLLM 0.34 passes to prepare_and_transform_humming_tensors
 PAD_K_TO = 128
 MIN_GROUP = 16  # Humming's group scales: >= 256 / 16-bit activations, whole 16-wide MMA K steps
@@ -76,7 +84,8 @@ def _installed_humming_version() -> str | None:
         return None
 
 
-# What prepare and run call, by module (humming-kernels 0.1.19; 0.1.10 has no humming.forward).
+# What prepare and run call, by module (humming-kernels 0.1.19; 0.1.10 has no humming.forward, 0.1.12 no
+# may_process_input or prepare_and_transform_humming_tensors).
 _HUMMING_API = {
     "humming.forward": ("humming_forward", "may_process_input"),
     "humming.transform": ("prepare_and_transform_humming_tensors",),
@@ -103,8 +112,8 @@ def humming_api_error() -> str | None:
     if numbers and numbers < (0, 1, 19):  # known too old: say so without importing it (an import starts helpers)
         return (
             f"humming-kernels {version} is installed, but this backend needs the API of {HUMMING_REQUIREMENT} "
-            f"(humming.forward.humming_forward, humming.transform.prepare_and_transform_humming_tensors); "
-            f"vLLM 0.26 pins 0.1.10, whose API differs"
+            f"(humming.forward.humming_forward, humming.transform.prepare_and_transform_humming_tensors): "
+            f"{_OLDER_PINS}"
         )
     version = None
     try:
@@ -122,8 +131,8 @@ def humming_api_error() -> str | None:
         version = version or _installed_humming_version() or "of unknown version"
         return (
             f"humming-kernels {version} is installed, but this backend needs the API of {HUMMING_REQUIREMENT} "
-            f"(humming.forward.humming_forward, humming.transform.prepare_and_transform_humming_tensors); "
-            f"vLLM 0.26 pins 0.1.10, whose API differs ({type(exc).__name__}: {exc})"
+            f"(humming.forward.humming_forward, humming.transform.prepare_and_transform_humming_tensors): "
+            f"{_OLDER_PINS} ({type(exc).__name__}: {exc})"
         )
     return None
 

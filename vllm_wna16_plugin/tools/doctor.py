@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_wna16_plugin import _vllm
 from vllm_wna16_plugin.backends import MoEProblem, RunOptions
 from vllm_wna16_plugin.backends.base import act_order_split_issue, random_act_order_padding
 from vllm_wna16_plugin.block_config import LEGAL_K_RATIOS, choose_cuda_block_config, cuda_group_size
@@ -303,17 +304,6 @@ def _layers_text(layers: Sequence[int]) -> str:
     return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
-def _vllm_block_k(num_tokens, top_k, experts, size_k, size_n, gs):
-    try:
-        from vllm.model_executor.layers.fused_moe.fused_moe import get_moe_wna16_block_config
-    except Exception:  # noqa: BLE001 - doctor runs without vLLM too
-        return None
-    cfg = get_moe_wna16_block_config(config={}, use_moe_wna16_cuda=True, num_valid_tokens=num_tokens * top_k,
-                                     size_k=size_k, size_n=size_n, num_experts=experts, group_size=gs,
-                                     real_top_k=top_k, block_size_m=min(16, num_tokens))  # fmt: skip
-    return cfg["BLOCK_SIZE_K"]
-
-
 def _launch_config_table(gemms, k: int, e: int, bits: int) -> list[str]:
     """CUDA launch configs over BATCH_SIZES per GEMM, with vLLM 0.26's BLOCK_SIZE_K and its legality."""
     out = ["", "CUDA WNA16 launch configs (BLOCK_SIZE_M/N/K), legal by construction; vLLM 0.26's BLOCK_SIZE_K beside:"]
@@ -325,7 +315,7 @@ def _launch_config_table(gemms, k: int, e: int, bits: int) -> list[str]:
             continue
         for m in BATCH_SIZES:
             c = choose_cuda_block_config(m, k, e, size_k, size_n, cgs, bits)
-            theirs = _vllm_block_k(m, k, e, size_k, size_n, cgs)
+            theirs = _vllm.moe_wna16_block_k(m, k, e, size_k, size_n, cgs)
             verdict = ""
             if theirs is not None and m * k / e > 6:  # vLLM's should_moe_wna16_use_cuda: Triton path here
                 verdict = "  vLLM: Triton path"

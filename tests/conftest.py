@@ -41,8 +41,10 @@ def vllm_cpu():
 
 def simulate_ep_rank(monkeypatch, vllm_cfg, rank: int) -> None:
     """Make the next layers built at tp_size=EP one rank of vLLM's own expert parallelism (`--enable-expert-
-    parallel`: TP ranks become EP ranks, each holding E/EP whole experts and an expert_map): the parallel
-    config asks for it, and vLLM's MoE parallel config reads this rank (one process holds every rank)."""
+    parallel`: TP ranks become EP ranks, each holding a linear range of whole experts, E/EP of them or one more
+    where EP does not divide E, and an expert_map; vLLM's round-robin placement needs grouped top-k routing):
+    the parallel config asks for it, and vLLM's MoE parallel config reads this rank (one process holds every
+    rank)."""
     import vllm.model_executor.layers.fused_moe.config as moe_config
 
     monkeypatch.setattr(vllm_cfg.parallel_config, "enable_expert_parallel", True)

@@ -172,28 +172,31 @@ def test_tp_rank_shards_sum_to_the_full_layer(vllm_cpu, monkeypatch, fmt, bits, 
         pytest.param("compressed-tensors", 4, -1, True, id="ct-int4-channelwise"),
     ],
 )
+@pytest.mark.parametrize("ep", [2, pytest.param(3, id="3-uneven")])
 @pytest.mark.parametrize("backend", ["reference", "triton"])  # triton: the interpreter on CPU
 def test_ep_ranks_load_their_own_experts_and_sum_to_the_full_layer(vllm_cpu, monkeypatch, fmt, bits, gs, sym,
-                                                                     backend):  # fmt: skip
-    """Expert parallelism as vLLM builds it (`--enable-expert-parallel`, TP=2 -> EP=2): each rank's layer holds
-    E/2 whole experts and vLLM's expert_map (-1 for the other rank's), its loader receives every expert of the
-    checkpoint and keeps its own, and its forward adds only its experts' pairs. The ranks' outputs must sum to
-    the full layer's (vLLM reduces them), and each rank alone must not equal it."""
-    ep = 2
+                                                                     backend, ep):  # fmt: skip
+    """Expert parallelism as vLLM builds it (`--enable-expert-parallel`, TP=EP): each rank's layer holds whole
+    experts (a linear range of E/EP, the first E % EP ranks one more) and vLLM's expert_map (-1 for the others'), its loader receives every expert of the checkpoint and keeps its
+    own, and its forward adds only its experts' pairs. The ranks' outputs must sum to the full layer's (vLLM
+    reduces them), and each rank alone must not equal it."""
     monkeypatch.setenv("VLLM_WNA16_PLUS_BACKEND", backend)
     q13, q2 = _random_experts(bits, gs, sym, seed=30 + bits)
     weights = _weights(fmt, q13, q2)
     x, w, ids = _routing(seed=31, m=8)
     ref = fused_moe_ref(x, packing.dequantize(q13), packing.dequantize(q2), w, ids)
     total = torch.zeros_like(ref, dtype=torch.float32)
+    base, extra = divmod(E, ep)
     for rank in range(ep):
         simulate_ep_rank(monkeypatch, vllm_cpu, rank)
         layer = _build(vllm_cpu, RAW[fmt](bits, gs, sym), tp_size=ep)
-        assert layer.expert_map is not None and layer.quant_method.num_local_experts == E // ep
-        assert layer.quant_method.selection.backend.name == backend
-        assert _vllm.layer_global_experts(layer) == E and _vllm.layer_tp(layer) == (0, 1)  # whole experts
+        local = base + (rank < extra)
+        first = rank * base + min(rank, extra)
+        want = list(range(first, first + local))
         mine = [g for g in range(E) if _vllm.layer_local_expert_id(layer, g) >= 0]
-        assert len(mine) == E // ep
+        assert mine == want and layer.quant_method.num_local_experts == local, (mine, want)
+        assert layer.expert_map is not None and layer.quant_method.selection.backend.name == backend
+        assert _vllm.layer_global_experts(layer) == E and _vllm.layer_tp(layer) == (0, 1)  # whole experts
         list(layer.load_weights(weights))
         layer.quant_method.process_weights_after_loading(layer)  # every local expert loaded, or it names one
         part = _forward(layer, x, w, ids).float()

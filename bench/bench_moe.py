@@ -248,7 +248,7 @@ class NotApplicable(Exception):
 
 
 # Peers that run through the plugin's delegating backend (the same kernels and preparation vLLM runs):
-# vLLM's Marlin MoE, and Humming, vLLM 0.34's default for WNA16 MoE on sm90 (humming-kernels 0.1.19+).
+# vLLM's Marlin MoE, and Humming, vLLM 0.33-0.34's default for WNA16 MoE on sm90 (humming-kernels 0.1.19+).
 DELEGATED = {"vllm-marlin": "marlin", "vllm-humming": "humming"}
 # plugin-auto-composed: auto composed with Humming (launch_plan.compose_with_humming), as a layer loaded on a
 # vLLM with humming-kernels runs it when its second copy fits the device's memory

@@ -46,7 +46,7 @@ PROVIDERS = {
 }
 OPTIONAL_PROVIDERS = {
     "vllm-marlin": dict(quantization=None, moe_backend="marlin"),
-    "vllm-humming": dict(quantization=None, moe_backend="humming"),  # vLLM 0.34's default on sm90
+    "vllm-humming": dict(quantization=None, moe_backend="humming"),  # vLLM 0.33-0.34's default on sm90
 }
 # Without --torch-compile: no torch.compile (start-up in seconds, not minutes, so that the four
 # providers fit one GPU call), full CUDA graphs of every decode batch the workloads reach.

@@ -39,7 +39,7 @@ def vllm_cpu():
         yield cfg
 
 
-def simulate_ep_rank(monkeypatch, vllm_cfg, rank: int) -> None:
+def simulate_ep_rank(monkeypatch: pytest.MonkeyPatch, vllm_cfg, rank: int) -> None:
     """Make the next layers built at tp_size=EP one rank of vLLM's own expert parallelism (`--enable-expert-
     parallel`: TP ranks become EP ranks, each holding a linear range of whole experts, E/EP of them or one more
     where EP does not divide E, and an expert_map; vLLM's round-robin placement needs grouped top-k routing):

@@ -134,21 +134,23 @@ def test_layer_loads_and_matches_float_reference(vllm_cpu, fmt, bits, gs, sym, v
 
 
 @pytest.mark.parametrize(
-    "fmt, bits, gs, sym, v2",
+    "fmt, bits, gs, sym, v2, tp",
     [
-        pytest.param("gptq", 4, 32, True, False, id="gptq-gs32"),
-        pytest.param("gptq", 8, 128, False, True, id="gptq-int8-gs128-asym-v2-regroup"),
-        pytest.param("gptq", 4, 64, False, False, id="gptq-gs64-asym-v1"),
-        pytest.param("compressed-tensors", 4, -1, True, False, id="ct-channelwise"),  # w2 scales whole per rank
-        pytest.param("compressed-tensors", 4, 128, False, False, id="ct-gs128-asym-regroup"),
-        pytest.param("compressed-tensors", 8, 64, True, False, id="ct-int8-gs64"),
-        pytest.param("awq", 4, 128, False, False, id="awq-gs128-regroup"),  # I/TP=64 < 128: re-grouped exactly to 64
-        pytest.param("awq", 4, 32, False, False, id="awq-gs32"),
+        pytest.param("gptq", 4, 32, True, False, 2, id="gptq-gs32"),
+        pytest.param("gptq", 4, 64, False, False, 2, id="gptq-gs64-asym-v1"),
+        pytest.param("compressed-tensors", 4, -1, True, False, 2, id="ct-channelwise"),  # w2 scales whole per rank
+        pytest.param("compressed-tensors", 8, 64, True, False, 2, id="ct-int8-gs64"),
+        pytest.param("awq", 4, 32, False, False, 2, id="awq-gs32"),
+        pytest.param("awq", 4, 128, False, False, 2, id="awq-gs128-regroup"),  # I/TP=64 < 128: re-grouped to 64
+        # TP=4 at group 64: a rank holds half a group (re-grouped exactly to 32), ranks 0-1 and 2-3 on different
+        # groups, so a rank reading another rank's scales or zero points fails (at TP=2, I == group: one group)
+        pytest.param("gptq", 8, 64, False, True, 4, id="gptq-int8-gs64-asym-v2-tp4-regroup"),
+        pytest.param("compressed-tensors", 4, 64, False, False, 4, id="ct-gs64-asym-tp4-regroup"),
+        pytest.param("awq", 4, 64, False, False, 4, id="awq-gs64-tp4-regroup"),
     ],
 )
-def test_tp_rank_shards_sum_to_the_full_layer(vllm_cpu, monkeypatch, fmt, bits, gs, sym, v2):
-    tp = 2
-    q13, q2 = _random_experts(bits, gs, sym, seed=3 + bits + gs)
+def test_tp_rank_shards_sum_to_the_full_layer(vllm_cpu, monkeypatch, fmt, bits, gs, sym, v2, tp):
+    q13, q2 = _random_experts(bits, gs, sym, seed=3 + bits + gs + tp)
     weights = _weights(fmt, q13, q2, v2)
     x, w, ids = _routing(seed=4)
     ref = fused_moe_ref(x, packing.dequantize(q13), packing.dequantize(q2), w, ids)

@@ -225,8 +225,11 @@ def test_the_plugins_variable_wins_over_moe_backend_and_says_so():
     assert resolve_request("Triton", env=env) == ("reference", f"{ENV_BACKEND} (over --moe-backend=triton)")
 
 
-def test_vllms_in_tree_block_k_is_read_for_doctor():
-    """doctor's column of vLLM's own BLOCK_SIZE_K (the heuristic the plugin replaces): an int from vLLM's
-    get_moe_wna16_block_config for a real shape (Qwen3-30B-A3B's gate/up GEMM at M=16), through _vllm only."""
-    k = _vllm.moe_wna16_block_k(16, 8, 128, 2048, 1536, 128)
-    assert isinstance(k, int) and k > 0 and 2048 % k == 0, k
+def test_vllms_in_tree_path_is_read_for_doctor():
+    """doctor's column of what vLLM's in-tree moe_wna16 launches (the heuristic the plugin replaces), through
+    _vllm only: its CUDA kernel's BLOCK_SIZE_K for int4 gs32-128 at <= 6 pairs per expert (Qwen3-30B-A3B's
+    gate/up GEMM at M=16: 128 pairs over 128 experts), its Triton path otherwise (int8, more pairs)."""
+    path, k = _vllm.moe_wna16_in_tree_path(16, 8, 128, 2048, 1536, 128, 4)
+    assert path == "cuda" and isinstance(k, int) and k > 0 and 2048 % k == 0, k
+    assert _vllm.moe_wna16_in_tree_path(16, 8, 128, 2048, 1536, 128, 8) == ("triton", None)
+    assert _vllm.moe_wna16_in_tree_path(128, 8, 128, 2048, 1536, 128, 4) == ("triton", None)

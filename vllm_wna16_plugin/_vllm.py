@@ -39,7 +39,7 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | FusedMoEConfig.has_bias / swiglu_limit / swiglu_alpha / swiglu_beta / activation_situ_beta / activation_situ_linear_beta | experts with biases or a clamped/scaled gated activation (gpt-oss, EXAONE-MoE, Bailing-V3, Kimi SituGLU) are refused at load: our kernels compute neither (`layer_expert_math`) | `has_bias`, `swiglu_limit`, `swiglu_alpha`, `swiglu_beta` 0.26-0.34; `activation_situ_*` from 0.27 (read with a default) | - |
 | config.get_current_vllm_config().cache_config.gpu_memory_utilization / resolved_gpu_memory_utilization() | how much memory composing a layer with Humming may take (`gpu_memory_utilization`) | a float, default 0.92, 0.26-0.33; 0.34 `None` by default, resolved by the method (1.0 with its extensible KV cache) | - |
 | config.VllmConfig / DeviceConfig / set_current_vllm_config, distributed.init_distributed_environment / initialize_model_parallel | building our MoE layers on CPU without an engine (`vllm-wna16 demo` without a GPU, layer tests) | 0.26-0.34 | - |
-| ...fused_moe.fused_moe.get_moe_wna16_block_config | `doctor` shows the BLOCK_SIZE_K vLLM's in-tree moe_wna16 CUDA path would launch beside ours (`moe_wna16_block_k`) | 0.26-0.34, same signature | - |
+| ...fused_moe.fused_moe.get_moe_wna16_block_config (+ should_moe_wna16_use_cuda's rule, restated) | `doctor` shows the BLOCK_SIZE_K vLLM's in-tree moe_wna16 CUDA path would launch beside ours (`moe_wna16_in_tree_path`) | 0.26-0.34, same body | - |
 
 Every import is lazy (inside a function) so `import vllm_wna16_plugin` stays cheap and
 works without vLLM; callers get a clear error when vLLM is missing.
@@ -384,9 +384,9 @@ def layer_moe_backend(layer_or_moe_config) -> str:
     return str(getattr(cfg, "moe_backend", "auto") or "auto")
 
 
-DEFAULT_GPU_MEMORY_UTILIZATION = (
-    0.9  # outside an engine's config (an engine's CacheConfig defaults to 0.92 in 0.26-0.33)
-)
+# The share assumed outside an engine's config (a layer built by hand): a little under what an engine's CacheConfig
+# gives by default in 0.26-0.33 (0.92), so a composed layer's second copy is judged on the safe side.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 def gpu_memory_utilization() -> float:
@@ -557,21 +557,34 @@ def align_and_weighted_sum_pieces() -> dict[str, Any]:
     return pieces
 
 
-# ------------------------------------------------------------------ MoE layers without an engine
+# vLLM's should_moe_wna16_use_cuda (0.26-0.34) without its platform check: int4, these groups, few pairs per expert
+VLLM_MOE_WNA16_CUDA_GROUPS = (32, 64, 128)
+VLLM_MOE_WNA16_CUDA_MAX_PAIRS_PER_EXPERT = 6
 
 
-def moe_wna16_block_k(num_tokens: int, top_k: int, experts: int, size_k: int, size_n: int, group_size: int):
-    """The BLOCK_SIZE_K vLLM's in-tree moe_wna16 CUDA path would launch for one GEMM (its
-    get_moe_wna16_block_config, the heuristic the plugin exists to replace), for `doctor` to show beside the
-    plugin's legal one; None where vLLM is not importable (doctor runs without it)."""
+def moe_wna16_in_tree_path(
+    num_tokens: int, top_k: int, experts: int, size_k: int, size_n: int, group_size: int, bits: int
+) -> tuple[str, int | None] | None:
+    """What vLLM's in-tree moe_wna16 method launches for one GEMM on a GPU, for `doctor` to show beside the
+    plugin's legal config: ("cuda", BLOCK_SIZE_K of its get_moe_wna16_block_config, the heuristic the plugin
+    exists to replace) where its should_moe_wna16_use_cuda takes the CUDA kernel (bits == 4, group_size in
+    VLLM_MOE_WNA16_CUDA_GROUPS, num_tokens * top_k / experts <= 6), else ("triton", None); None where vLLM is
+    not importable (doctor runs without it)."""
     try:
         from vllm.model_executor.layers.fused_moe.fused_moe import get_moe_wna16_block_config
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - doctor runs without vLLM
         return None
-    cfg = get_moe_wna16_block_config(config={}, use_moe_wna16_cuda=True, num_valid_tokens=num_tokens * top_k,
-                                     size_k=size_k, size_n=size_n, num_experts=experts, group_size=group_size,
-                                     real_top_k=top_k, block_size_m=min(16, num_tokens))  # fmt: skip
-    return cfg["BLOCK_SIZE_K"]
+    pairs = num_tokens * top_k
+    if not (bits == 4 and group_size in VLLM_MOE_WNA16_CUDA_GROUPS
+            and pairs / experts <= VLLM_MOE_WNA16_CUDA_MAX_PAIRS_PER_EXPERT):  # fmt: skip
+        return ("triton", None)
+    cfg = get_moe_wna16_block_config(config={}, use_moe_wna16_cuda=True, num_valid_tokens=pairs, size_k=size_k,
+                                     size_n=size_n, num_experts=experts, group_size=group_size, real_top_k=top_k,
+                                     block_size_m=min(16, num_tokens))  # fmt: skip
+    return ("cuda", int(cfg["BLOCK_SIZE_K"]))
+
+
+# ------------------------------------------------------------------ MoE layers without an engine
 
 
 @contextlib.contextmanager

@@ -302,7 +302,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             self.processed = True
 
         def _compose(self, layer) -> None:
-            """Under auto, let Humming (vLLM 0.34's default, where installed) take the batch sizes it runs
+            """Under auto, let Humming (vLLM 0.33-0.34's default, where installed) take the batch sizes it runs
             faster (backends/humming.py's rule) when the layer's second copy fits (compose_decision)."""
             import os
 

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import HUMMING_COMPOSED as COMPOSED
-from tests.e2e.conftest import HUMMING_NOT_COMPOSED as NOT_COMPOSED
-from tests.e2e.conftest import assert_generates_like, humming_missing, requires_gpu, run_llm
+from tests.e2e.conftest import (
+    HUMMING_COMPOSED,
+    HUMMING_NOT_COMPOSED,
+    assert_generates_like,
+    humming_missing,
+    requires_gpu,
+    run_llm,
+)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -33,9 +38,9 @@ def test_auto_composed_with_humming_generates_like_the_reference(checkpoint, tmp
     ref = run_llm(checkpoint, tmp_path_factory.mktemp("ref"), backend="reference", eager=True)
     ref.require_ok("reference")
     composed = run_llm(checkpoint, tmp_path_factory.mktemp("auto")).require_ok("auto, composed")
-    assert COMPOSED in composed.log, composed.log[-3000:]
+    assert HUMMING_COMPOSED in composed.log, composed.log[-3000:]
     assert_generates_like(composed, ref, "auto composed with Humming")
     alone = run_llm(checkpoint, tmp_path_factory.mktemp("alone"), env={"VLLM_WNA16_PLUS_HUMMING": "0"})
     alone.require_ok("auto, VLLM_WNA16_PLUS_HUMMING=0")
-    assert NOT_COMPOSED in alone.log and COMPOSED not in alone.log, alone.log[-3000:]
+    assert HUMMING_NOT_COMPOSED in alone.log and HUMMING_COMPOSED not in alone.log, alone.log[-3000:]
     assert_generates_like(alone, ref, "auto without Humming")

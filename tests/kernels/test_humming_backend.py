@@ -130,7 +130,7 @@ def test_refuses_humming_without_the_0_1_19_api(monkeypatch, version):
     reason = BACKEND.incompatibility_reason(_problem(plan_only=False))
     shown = version or "0.1.10"  # the module's own __version__ where the metadata says nothing
     assert f"humming-kernels {shown} is installed" in reason and "humming-kernels==0.1.19" in reason, reason
-    assert "0.1.17 (0.32)" in reason and "0.1.19 (0.33-0.34)" in reason, reason
+    assert "0.1.17 (vLLM 0.32)" in reason and "0.1.19 (vLLM 0.33-0.34)" in reason and "))" not in reason, reason
 
 
 def test_never_raises_with_the_humming_installed_here():

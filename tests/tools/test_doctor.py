@@ -52,6 +52,53 @@ def test_doctor_tp_split_regroups_or_refuses(tmp_path):
         plan(path, tp=7)
 
 
+def test_doctor_ep_plans_whole_experts_per_rank(tmp_path, capsys):
+    """--ep (vLLM's --enable-expert-parallel over the --tp ranks): each rank holds whole experts, ceil(E/EP) on
+    the largest rank, so TP sizes that cannot split the intermediate size (or regroup its groups) load."""
+    from vllm_wna16_plugin.tools.doctor import layer_problem
+
+    path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=128, hidden=256, intermediate=128,
+                           experts=20, top_k=2, layers=1)  # fmt: skip
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"num_attention_heads": 32}))
+    with pytest.raises(ValueError, match=r"--tp=16 \(tensor-parallel size, TP\) cannot load"):
+        plan(path, tp=16)  # 8 intermediate columns per rank: no exact re-grouping of group 128
+    text = plan(path, tp=16, ep=True)
+    assert "expert parallelism (EP=16): whole experts, 2 on the first 4 ranks, 1 on the others" in text
+    assert "gate/up  K=   256 N=   256 group=128" in text and "down     K=   128" in text  # whole experts
+    p = layer_problem(path, tp=16, ep=True)
+    assert (p.num_experts, p.global_num_experts, p.intermediate, p.use_ep) == (2, 20, 128, True)
+    assert not layer_problem(path, tp=2).use_ep
+    with pytest.raises(ValueError, match=r"--tp=32 --ep .*20 experts cannot give each of 32 EP ranks one"):
+        plan(path, tp=32, ep=True)
+    assert main(["doctor", str(path), "--tp", "16", "--ep"]) == 0
+    assert "EP=16" in capsys.readouterr().out
+
+
+def test_doctor_ep_rank_is_the_layer_vllm_builds(vllm_cpu, monkeypatch, tmp_path):
+    """The rank doctor --ep plans has the experts, sizes and expert map vLLM's own EP layer gives the plugin."""
+    from tests.conftest import build_moe_layer, simulate_ep_rank
+    from vllm_wna16_plugin.tools.doctor import layer_problem
+
+    path = make_checkpoint(tmp_path / "ck", fmt="gptq", bits=4, group_size=32, hidden=128, intermediate=128,
+                           experts=5, top_k=2, layers=1)  # fmt: skip
+    planned = layer_problem(path, tp=2, ep=True, device="cpu")
+    simulate_ep_rank(monkeypatch, vllm_cpu, 0)  # the first rank: the largest
+    raw = json.loads((path / "config.json").read_text())["quantization_config"]
+    layer = build_moe_layer(vllm_cpu, raw, E=5, H=128, I=128, top_k=2, tp_size=2)
+    built = layer.quant_method.problem
+    fields = (
+        "num_experts",
+        "global_num_experts",
+        "intermediate",
+        "hidden",
+        "group_size_w13",
+        "group_size_w2",
+        "use_ep",
+    )
+    assert {f: getattr(built, f) for f in fields} == {f: getattr(planned, f) for f in fields}
+
+
 def test_doctor_prints_the_config_error_and_exits_2(gs32_k2048, tmp_path, capsys):
     bad = tmp_path / "bad"
     bad.mkdir()

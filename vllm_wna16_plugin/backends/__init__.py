@@ -15,7 +15,7 @@ def registry() -> dict[str, Backend]:
     from vllm_wna16_plugin.backends.vllm_cuda import VllmCudaBackend
 
     # cuda first: auto takes it only on a measured crossover, and it hands larger batches to triton.
-    # humming (vLLM 0.34's default on sm90) is a peer to delegate to when asked, after marlin.
+    # humming (vLLM 0.33-0.34's default on sm90) is a peer to delegate to when asked, after marlin.
     backends = [
         CudaBackend(),
         TritonBackend(),

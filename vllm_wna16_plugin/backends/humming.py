@@ -49,14 +49,23 @@ from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, 
 logger = _vllm.init_logger(__name__)
 
 HUMMING_REQUIREMENT = "humming-kernels==0.1.19"
-# The humming-kernels each vLLM pins (its requirements, 0.26.0-0.34.0 unpacked 2026-12-05). The backend was
-# written and GPU-checked against 0.1.19 only, the pin of vLLM 0.33-0.34, where vLLM's own WNA16 MoE oracle puts
-# Humming first on sm90 (0.28-0.32 list it after Marlin and Triton). 0.1.12 lacks names this backend calls;
-# 0.1.16 and 0.1.17 have them, with other kernels and layouts, never run here.
-VLLM_HUMMING_PINS = "0.1.10 (vLLM 0.26-0.27), 0.1.12 (0.28-0.30), 0.1.16 (0.31), 0.1.17 (0.32), 0.1.19 (0.33-0.34)"
-_OLDER_PINS = (
-    f"the backend is written and checked for 0.1.19 only (what vLLM 0.33-0.34 install; vLLM pins {VLLM_HUMMING_PINS})"
-)
+# The humming-kernels each vLLM pins (its requirements, 0.26.0-0.34.0 unpacked 2026-12-05), as (humming-kernels,
+# vLLM releases). The backend was written and GPU-checked against 0.1.19 only, the pin of vLLM 0.33-0.34, where
+# vLLM's own WNA16 MoE oracle puts Humming first on sm90 (0.26-0.32 list it after Marlin and Triton). 0.1.10 and
+# 0.1.12 lack names this backend calls; 0.1.16 and 0.1.17 have them, with other kernels and layouts, never run here.
+VLLM_HUMMING_PINS = (("0.1.10", "0.26-0.27"), ("0.1.12", "0.28-0.30"), ("0.1.16", "0.31"), ("0.1.17", "0.32"),
+                     ("0.1.19", "0.33-0.34"))  # fmt: skip
+
+
+def _not_the_checked_humming(version: str, detail: str = "") -> str:
+    """Why the installed humming-kernels `version` is not taken: the one reason, with what each vLLM pins."""
+    pins = ", ".join(f"{h} (vLLM {v})" for h, v in VLLM_HUMMING_PINS)
+    return (f"humming-kernels {version} is installed, but this backend is written and checked against "
+            f"{HUMMING_REQUIREMENT} only (its humming.forward.humming_forward and humming.transform."
+            f"prepare_and_transform_humming_tensors, kernels and layouts), what vLLM 0.33-0.34 install; vLLM pins "
+            f"{pins}{'; ' + detail if detail else ''}")  # fmt: skip
+
+
 PAD_N_TO = 256  # what vLLM 0.34 passes to prepare_and_transform_humming_tensors
 PAD_K_TO = 128
 MIN_GROUP = 16  # Humming's group scales: >= 256 / 16-bit activations, whole 16-wide MMA K steps
@@ -110,11 +119,7 @@ def humming_api_error() -> str | None:
     version = _installed_humming_version()
     numbers = tuple(int(x) for x in re.findall(r"\d+", version or "")[:3])
     if numbers and numbers < (0, 1, 19):  # known too old: say so without importing it (an import starts helpers)
-        return (
-            f"humming-kernels {version} is installed, but this backend needs the API of {HUMMING_REQUIREMENT} "
-            f"(humming.forward.humming_forward, humming.transform.prepare_and_transform_humming_tensors): "
-            f"{_OLDER_PINS}"
-        )
+        return _not_the_checked_humming(version)
     version = None
     try:
         humming = importlib.import_module("humming")
@@ -129,11 +134,7 @@ def humming_api_error() -> str | None:
             raise ImportError(f"missing {missing}")
     except Exception as exc:  # noqa: BLE001
         version = version or _installed_humming_version() or "of unknown version"
-        return (
-            f"humming-kernels {version} is installed, but this backend needs the API of {HUMMING_REQUIREMENT} "
-            f"(humming.forward.humming_forward, humming.transform.prepare_and_transform_humming_tensors): "
-            f"{_OLDER_PINS} ({type(exc).__name__}: {exc})"
-        )
+        return _not_the_checked_humming(version, f"{type(exc).__name__}: {exc}")
     return None
 
 
@@ -379,7 +380,7 @@ def compose_decision(
 class HummingBackend(Backend):
     name = "humming"
     description = (
-        "Humming kernels (humming-kernels 0.1.19; vLLM 0.34's default WNA16 MoE on sm90): "
+        "Humming kernels (humming-kernels 0.1.19; vLLM 0.33-0.34's default WNA16 MoE on sm90): "
         "int4/int8, symmetric or zero points, groups >= 16 or channel-wise"
     )
 

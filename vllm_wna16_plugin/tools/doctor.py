@@ -4,7 +4,7 @@ Resolves every routed-experts layer's scheme with the code loading uses (dynamic
 rules, modules_to_not_convert, ignore, several config_groups) and, per distinct scheme
 with its layers, prints each MoE GEMM's shape per TP rank and the group size it runs
 with, the CUDA launch configs over batch sizes 1..4096 with their legality (and
-vLLM 0.26's own choice where vLLM is importable), which backend `auto` would
+vLLM's in-tree choice where vLLM is importable), which backend `auto` would
 pick on the named device, with every rejection's reason, and the launch plan of
 each batch size (launch_plan.plan: backend, kernels, tiles, forms, alignment and
 where each number came from). Where loading would fail
@@ -305,8 +305,11 @@ def _layers_text(layers: Sequence[int]) -> str:
 
 
 def _launch_config_table(gemms, k: int, e: int, bits: int) -> list[str]:
-    """CUDA launch configs over BATCH_SIZES per GEMM, with vLLM 0.26's BLOCK_SIZE_K and its legality."""
-    out = ["", "CUDA WNA16 launch configs (BLOCK_SIZE_M/N/K), legal by construction; vLLM 0.26's BLOCK_SIZE_K beside:"]
+    """CUDA launch configs over BATCH_SIZES per GEMM, with vLLM's in-tree BLOCK_SIZE_K and its legality."""
+    out = [
+        "",
+        "CUDA WNA16 launch configs (BLOCK_SIZE_M/N/K), legal by construction; vLLM's in-tree BLOCK_SIZE_K beside:",
+    ]
     for name, size_k, size_n, gs in gemms:
         try:
             cgs = cuda_group_size(size_k, -1 if gs == size_k else gs)
@@ -315,11 +318,12 @@ def _launch_config_table(gemms, k: int, e: int, bits: int) -> list[str]:
             continue
         for m in BATCH_SIZES:
             c = choose_cuda_block_config(m, k, e, size_k, size_n, cgs, bits)
-            theirs = _vllm.moe_wna16_block_k(m, k, e, size_k, size_n, cgs)
+            theirs = _vllm.moe_wna16_in_tree_path(m, k, e, size_k, size_n, cgs, bits)
             verdict = ""
-            if theirs is not None and m * k / e > 6:  # vLLM's should_moe_wna16_use_cuda: Triton path here
+            if theirs is not None and theirs[0] == "triton":
                 verdict = "  vLLM: Triton path"
             elif theirs is not None:
+                theirs = theirs[1]
                 legal = size_k % theirs == 0 and theirs % cgs == 0 and theirs // cgs in LEGAL_K_RATIOS
                 verdict = f"  vLLM: BK={theirs}" + ("" if legal else f" ILLEGAL (ratio {theirs / cgs:g}) -> crash")
             out.append(f"  {name:8s} M={m:5d}: {c.block_size_m}/{c.block_size_n}/{c.block_size_k} ok{verdict}")
@@ -339,29 +343,39 @@ def _act_order_padding(scheme: WNA16Scheme, dims: MoEDims, tp: int) -> tuple[int
 PLAN_ONLY = RunOptions(plan_only=True)
 
 
+def ep_local_experts(experts: int, ep: int) -> int:
+    """Experts on the first (largest) rank of vLLM's expert parallelism: ceil(E / EP) (linear placement, the
+    first E % EP ranks one more than E // EP; vLLM's determine_expert_map)."""
+    return -(-experts // ep)
+
+
 def _problem(
     scheme, dims: MoEDims, i_loc: int, gs13: int, gs2: int, platform: str, sm: int | None, tp: int,
-    act_dtype: torch.dtype = torch.bfloat16, options: RunOptions = PLAN_ONLY,
+    act_dtype: torch.dtype = torch.bfloat16, options: RunOptions = PLAN_ONLY, ep: int = 1,
 ) -> MoEProblem:  # fmt: skip
     """One rank's MoEProblem as the layer builds it; act order at TP > 1 with the padded down projection of
-    a random act order (_act_order_padding; the weights fix it at load)."""
+    a random act order (_act_order_padding; the weights fix it at load). ep > 1: one rank of vLLM's expert
+    parallelism (whole experts, ep_local_experts of them; tp is then 1 for the experts)."""
     padded = _act_order_padding(scheme, dims, tp)
     if padded is not None:
         gs2, i_loc = padded
-    return MoEProblem(scheme=scheme, hidden=dims.hidden, intermediate=i_loc, num_experts=dims.experts,
+    local = ep_local_experts(dims.experts, ep)
+    return MoEProblem(scheme=scheme, hidden=dims.hidden, intermediate=i_loc, num_experts=local,
                       global_num_experts=dims.experts, top_k=dims.top_k, group_size_w13=gs13,
                       group_size_w2=gs2, act_dtype=act_dtype, platform=platform, sm=sm,
                       has_g_idx=scheme.desc_act, act_order_issue=act_order_split_issue(scheme, tp),
-                      act_order_padded=padded is not None, options=options)  # fmt: skip
+                      act_order_padded=padded is not None, use_ep=ep > 1, options=options)  # fmt: skip
 
 
 def _platform(device: str) -> tuple[str, int | None]:
     return DEVICES[device].platform, DEVICES[device].sm
 
 
-def _check_args(tp, device) -> None:
+def _check_args(tp, device, ep: bool = False) -> None:
     if not_an_int(tp) or tp <= 0:
         raise ValueError(f"--tp={tp!r} is not a positive int; supported: a tensor-parallel size of 1 or more")
+    if not isinstance(ep, bool):
+        raise ValueError(f"--ep={ep!r} is not a flag (True/False)")
     if device not in DEVICES:
         raise ValueError(f"--device={device!r} is not supported; supported: {', '.join(sorted(DEVICES))}")
 
@@ -410,12 +424,17 @@ def _group_sizes(scheme: WNA16Scheme, dims: MoEDims, tp: int, layer: str) -> tup
     return gs13, gs2
 
 
-def _tp_problem(dims: MoEDims, groups: Sequence[MoESchemeLayers], prefixes: Mapping[int, str], tp: int) -> str | None:
-    """Why TP=tp cannot load this checkpoint (the first reason), or None."""
-    if dims.intermediate % tp:
+def _tp_problem(
+    dims: MoEDims, groups: Sequence[MoESchemeLayers], prefixes: Mapping[int, str], tp: int, ep: bool = False
+) -> str | None:
+    """Why TP=tp cannot load this checkpoint (the first reason), or None. With ep (vLLM's
+    --enable-expert-parallel) the experts stay whole: only the attention heads split."""
+    if not ep and dims.intermediate % tp:
         return f"the experts' intermediate size {dims.intermediate} is not divisible by it"
     if dims.num_heads is not None and dims.num_heads % tp:
         return f"{_field(dims.where, 'num_attention_heads')}={dims.num_heads} is not divisible by it (vLLM needs that)"
+    if ep:
+        return None if dims.experts >= tp else f"{dims.experts} experts cannot give each of {tp} EP ranks one"
     for g in groups:
         if g.scheme is not None:
             try:
@@ -436,12 +455,22 @@ class CheckpointPlan:
     prefixes: Mapping[int, str]
     groups: tuple[MoESchemeLayers, ...]
     tp: int
+    ep: bool = False  # vLLM's --enable-expert-parallel: the tp ranks hold whole experts
+
+    @property
+    def moe_tp(self) -> int:
+        """How many ways each expert's intermediate size is split: 1 under expert parallelism."""
+        return 1 if self.ep else self.tp
+
+    @property
+    def ep_size(self) -> int:
+        return self.tp if self.ep else 1
 
 
-def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90") -> CheckpointPlan:
-    """Parse config.json as loading does and refuse what loading would refuse at this --tp (ValueError
-    naming the field or flag, its value and what works)."""
-    _check_args(tp, device)
+def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90", ep: bool = False) -> CheckpointPlan:
+    """Parse config.json as loading does and refuse what loading would refuse at this --tp (and --ep: vLLM's
+    expert parallelism over the tp ranks) (ValueError naming the field or flag, its value and what works)."""
+    _check_args(tp, device, ep)
     cfg = _read_config(model_dir)
     parsed = parse_quantization_config(quantization_config_of(model_dir, cfg))
     dims = moe_dims(cfg)
@@ -452,47 +481,60 @@ def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90")
         if g.scheme is not None:
             check_packable(g.scheme.bits, dims.hidden, dims.intermediate, prefixes[g.layers[0]])
             effective_group_size(g.scheme, dims.hidden, layer=f"{prefixes[g.layers[0]]} (gate/up, K=hidden)")
-    problem = _tp_problem(dims, groups, prefixes, tp)
+    problem = _tp_problem(dims, groups, prefixes, tp, ep)
     if problem is not None:
-        working = [t for t in range(1, MAX_SUGGESTED_TP + 1) if _tp_problem(dims, groups, prefixes, t) is None]
-        raise ValueError(f"--tp={tp} (tensor-parallel size, TP) cannot load this checkpoint: {problem}; "
-                         f"TP sizes that pass every check (up to {MAX_SUGGESTED_TP}): "
-                         f"{', '.join(map(str, working)) or 'none'}")  # fmt: skip
-    return CheckpointPlan(str(model_dir), parsed, dims, naming, prefixes, groups, tp)
+        working = [t for t in range(1, MAX_SUGGESTED_TP + 1) if _tp_problem(dims, groups, prefixes, t, ep) is None]
+        flag = f"--tp={tp} --ep" if ep else f"--tp={tp}"
+        raise ValueError(f"{flag} (tensor-parallel size, TP{', with expert parallelism' if ep else ''}) cannot load "
+                         f"this checkpoint: {problem}; TP sizes that pass every check (up to {MAX_SUGGESTED_TP}"
+                         f"{', with --ep' if ep else ''}): {', '.join(map(str, working)) or 'none'}")  # fmt: skip
+    return CheckpointPlan(str(model_dir), parsed, dims, naming, prefixes, groups, tp, ep)
 
 
-def layer_problem(model_dir: str | Path, tp: int = 1, device: str = "sm90") -> MoEProblem:
-    """The MoEProblem of the checkpoint's first quantized MoE layer on one TP rank of `device`, from
-    config.json alone (extra["plan_only"]: backends judge the device named, not this machine)."""
-    cp = resolve_checkpoint(model_dir, tp, device)
+def layer_problem(model_dir: str | Path, tp: int = 1, device: str = "sm90", ep: bool = False) -> MoEProblem:
+    """The MoEProblem of the checkpoint's first quantized MoE layer on one TP (or, with ep, EP) rank of
+    `device`, from config.json alone (plan_only: backends judge the device named, not this machine)."""
+    cp = resolve_checkpoint(model_dir, tp, device, ep)
     g = next((g for g in cp.groups if g.scheme is not None), None)
     if g is None:
         raise ValueError(f"{model_dir}: every MoE layer loads unquantized; the plugin runs none of them")
-    gs13, gs2 = _group_sizes(g.scheme, cp.dims, tp, cp.prefixes[g.layers[0]])
-    return _problem(g.scheme, cp.dims, cp.dims.intermediate // tp, gs13, gs2, *_platform(device), tp)
+    return _rank_problem(cp, g, *_platform(device))
+
+
+def _rank_problem(
+    cp: CheckpointPlan, g: MoESchemeLayers, platform: str, sm: int | None, act_dtype: torch.dtype = torch.bfloat16,
+    options: RunOptions = PLAN_ONLY,
+) -> MoEProblem:  # fmt: skip
+    """One rank's MoEProblem of scheme group g: the experts split by cp.moe_tp (TP) or held whole (EP)."""
+    gs13, gs2 = _group_sizes(g.scheme, cp.dims, cp.moe_tp, cp.prefixes[g.layers[0]])
+    return _problem(g.scheme, cp.dims, cp.dims.intermediate // cp.moe_tp, gs13, gs2, platform, sm, cp.moe_tp,
+                    act_dtype, options, ep=cp.ep_size)  # fmt: skip
 
 
 def moe_problems(
-    model_dir: str | Path, tp: int, platform: str, sm: int | None, act_dtype: torch.dtype = torch.bfloat16
+    model_dir: str | Path,
+    tp: int,
+    platform: str,
+    sm: int | None,
+    act_dtype: torch.dtype = torch.bfloat16,
+    ep: bool = False,
 ) -> list[tuple[MoESchemeLayers, MoEProblem]]:
-    """Each distinct quantized MoE scheme of the checkpoint with the MoEProblem of one TP rank on a device
-    of `platform` / `sm` (`vllm-wna16 tune` times them on this machine's GPU). Raises where loading would."""
-    cp = resolve_checkpoint(model_dir, tp)
+    """Each distinct quantized MoE scheme of the checkpoint with the MoEProblem of one TP (or, with ep, EP)
+    rank on a device of `platform` / `sm` (`vllm-wna16 tune` times them on this machine's GPU). Raises where
+    loading would."""
+    cp = resolve_checkpoint(model_dir, tp, ep=ep)
     out = []
     for g in cp.groups:
         if g.scheme is None:
             continue
-        gs13, gs2 = _group_sizes(g.scheme, cp.dims, tp, cp.prefixes[g.layers[0]])
-        problem = _problem(g.scheme, cp.dims, cp.dims.intermediate // tp, gs13, gs2, platform, sm, tp, act_dtype,
-                           RunOptions())  # fmt: skip
-        out.append((g, problem))
+        out.append((g, _rank_problem(cp, g, platform, sm, act_dtype, RunOptions())))
     if not out:
         raise ValueError(f"{model_dir}: every MoE layer loads unquantized; the plugin runs none of them")
     return out
 
 
 def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_configs: bool) -> list[str]:
-    scheme, dims, tp = g.scheme, cp.dims, cp.tp
+    scheme, dims, tp = g.scheme, cp.dims, cp.moe_tp
     i_loc = dims.intermediate // tp
     gs13, gs2 = _group_sizes(scheme, dims, tp, cp.prefixes[g.layers[0]])
     linear = (LINEAR_METHOD if owns_linear(cp.parsed.quant_method, scheme)
@@ -506,9 +548,9 @@ def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_con
     if (padded := _act_order_padding(scheme, dims, tp)) is not None:
         out.append(f"  down     act order: triton pads each group's rows on a rank to runs of {padded[0]}: K={padded[1]} "
                    f"({padded[1] / i_loc:.2f}x) for a random act order, fixed at load")  # fmt: skip
+    problem = _rank_problem(cp, g, *_platform(device))
     if launch_configs:
-        out += _launch_config_table(gemms, dims.top_k, dims.experts, scheme.bits)
-    problem = _problem(scheme, dims, i_loc, gs13, gs2, *_platform(device), tp)
+        out += _launch_config_table(gemms, dims.top_k, problem.num_experts, scheme.bits)
     verdicts = collect_verdicts(problem)
     requested, source = _requested()
     if requested == "auto":
@@ -549,7 +591,7 @@ def _requested() -> tuple[str, str]:
 
 
 def _humming_composition(problem: MoEProblem, device, selection) -> str:
-    """Which batch sizes auto hands to Humming where humming-kernels is installed (vLLM 0.34's default on
+    """Which batch sizes auto hands to Humming where humming-kernels is installed (vLLM 0.33-0.34's default on
     sm90) and the layer's second copy fits (backends/humming.compose_decision), or why it never does."""
     import os
 
@@ -567,16 +609,23 @@ def _humming_composition(problem: MoEProblem, device, selection) -> str:
             f"M={', '.join(map(str, takes))} run on Humming, the others as above")  # fmt: skip
 
 
-def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_configs: bool = True) -> str:
+def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_configs: bool = True,
+         ep: bool = False) -> str:  # fmt: skip
     """The doctor's report as text: one section per distinct MoE scheme loading resolves (unquantized
     layers listed). Raises ValueError where loading would (the same message, or the flag's).
 
-    launch_configs=False leaves out the CUDA launch-config table (the demo's short plan)."""
-    cp = resolve_checkpoint(model_dir, tp, device)
+    launch_configs=False leaves out the CUDA launch-config table (the demo's short plan). ep: plan the
+    tp ranks as vLLM's --enable-expert-parallel builds them (whole experts per rank)."""
+    cp = resolve_checkpoint(model_dir, tp, device, ep)
     d = cp.dims
+    if ep and tp > 1:
+        lo, extra = divmod(d.experts, tp)
+        per_rank = f"{lo} per rank" if not extra else f"{lo + 1} on the first {extra} ranks, {lo} on the others"
+        split = f"TP={tp} with expert parallelism (EP={tp}): whole experts, {per_rank}"
+    else:
+        split = f"TP={tp} -> I per rank {d.intermediate // tp}"
     out = [f"checkpoint: {model_dir}",
-           f"MoE: E={d.experts}, top_k={d.top_k}, H={d.hidden}, I={d.intermediate}; TP={tp} -> I per rank "
-           f"{d.intermediate // tp}",
+           f"MoE: E={d.experts}, top_k={d.top_k}, H={d.hidden}, I={d.intermediate}; {split}",
            f"MoE layers: {len(cp.prefixes)} of {d.num_layers}, {cp.naming}; schemes as loading resolves them:"]  # fmt: skip
     out += [f"  layers {_layers_text(g.layers)}: {g.describe()}" for g in cp.groups]
     from vllm_wna16_plugin.kernels.cuda_ops import extension_archs, extension_error
@@ -609,11 +658,13 @@ def cuda_ops_line(device: str, archs: list[str] | None, error: str | None) -> st
 def add_doctor_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="checkpoint directory with config.json")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--ep", action="store_true",
+                   help="plan as `vllm serve --enable-expert-parallel`: the --tp ranks hold whole experts (EP=TP)")  # fmt: skip
     p.add_argument("--device", choices=sorted(DEVICES), default="sm90",
                    help="device to plan for (default sm90, planned as the H200 whose tuned tables ship)")  # fmt: skip
 
 
 def run_doctor(args) -> int:
     """Errors propagate: cli.main turns them into one line on stderr and exit status 2."""
-    print(plan(args.model_dir, tp=args.tp, device=args.device))
+    print(plan(args.model_dir, tp=args.tp, device=args.device, ep=args.ep))
     return 0

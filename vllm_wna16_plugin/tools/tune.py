@@ -374,6 +374,8 @@ def tune_problem(
 def add_tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="checkpoint directory with config.json (only config.json is read)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size the model is served at (default 1)")
+    p.add_argument("--ep", action="store_true",
+                   help="the model is served with --enable-expert-parallel: tune one EP rank's whole experts")  # fmt: skip
     p.add_argument("--m", default=",".join(map(str, DEFAULT_M)),
                    help="batch sizes (tokens per step, 1..65536) to tune, comma-separated (default %(default)s)")  # fmt: skip
     p.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16", help="activation dtype")
@@ -397,7 +399,9 @@ def run_tune(args) -> int:
         raise ValueError(f"--reps={args.reps}: the replays per time (a median) must be at least 1")
     if not (math.isfinite(args.budget_s) and args.budget_s > 0):
         raise ValueError(f"--budget-s={args.budget_s}: the exploration budget must be a positive number of seconds")
-    resolve_checkpoint(args.model_dir, args.tp)  # the model's own errors first (path, config, --tp): GPU-blind
+    resolve_checkpoint(
+        args.model_dir, args.tp, ep=args.ep
+    )  # the model's own errors first (path, config, --tp): GPU-blind
     if not torch.cuda.is_available():
         raise ValueError("tune times kernels on this machine's NVIDIA GPU, and torch sees none "
                          "(torch.cuda.is_available() is False); `vllm-wna16 doctor` plans without one")  # fmt: skip
@@ -405,7 +409,7 @@ def run_tune(args) -> int:
     if device.platform != "cuda" or not device.driver:
         raise ValueError(f"tune needs an NVIDIA GPU with a known driver version; found {device.describe()}")
     dtype = getattr(torch, args.dtype)
-    problems = moe_problems(args.model_dir, args.tp, device.platform, device.sm, dtype)
+    problems = moe_problems(args.model_dir, args.tp, device.platform, device.sm, dtype, ep=args.ep)
     root = tuned_dir(device, must_exist=False)
     print(f"tune: {len(problems)} MoE scheme(s) x {len(ms)} batch sizes on {device.describe()}, driver "
           f"{device.driver}; budget {args.budget_s:.0f} s; tables -> {root} (${ENV_DIR} moves them)", flush=True)  # fmt: skip

@@ -17,6 +17,12 @@ BLOCK_SIZE_K is narrowed to one the group size allows), e.g. the swapped 128-tok
 
     python bench/heuristic_tables.py /tmp/s256 --catalog all --tp 1,4 --m 1024,4096 \
         --tile 128:128x128x64:w8:s3:swap --tile 256:256x128x64:w8:s3:swap
+
+A candidate for the middle regime (16-64 pairs per hit expert) keeps the rest of the heuristic (the tile height,
+the N tile halving until the grid fills the SMs, split K) and replaces only what that regime asks for
+(configs.MID_TILE): --mid BNxBK:wW:sS, e.g. the small-batch regime's 128x256 tile:
+
+    python bench/heuristic_tables.py /tmp/mid128 --catalog all --tp 4 --m 64,128,256,512 --mid 128x256:w4:s4
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from model_catalog import SETS, catalog_configs  # noqa: E402
 from model_shapes import model_moe_shape  # noqa: E402
 
 from vllm_wna16_plugin.kernels.triton.configs import (  # noqa: E402
+    MID_TILE,
+    RegimeTile,
     TritonMoEConfig,
     _pick_block_k,
     config_file_name,
@@ -76,18 +84,32 @@ def parse_tile(spec: str) -> Tile:
     return Tile(float(m.group(1)), cfg)
 
 
-def entry(m: int, s, N: int, K: int, gs: int, tiles: list[Tile]) -> TritonMoEConfig:
-    """default_config's entry, or the last tile whose FROM the mean of pairs per hit expert reaches."""
+def parse_mid(spec: str) -> RegimeTile:
+    """'128x256:w4:s4' -> RegimeTile(block_n=128, block_k=256, group_m=MID_TILE's, warps=4, stages=4)."""
+    m = re.fullmatch(r"(\d+)x(\d+):w(\d+):s(\d+)", spec)
+    if not m:
+        raise argparse.ArgumentTypeError(f"--mid {spec!r}: expected BNxBK:wW:sS, e.g. 128x256:w4:s4")
+    bn, bk, warps, stages = map(int, m.groups())
+    try:  # the same checks as a config of that tile
+        TritonMoEConfig(16, bn, bk, GROUP_SIZE_M=MID_TILE.group_m, num_warps=warps, num_stages=stages)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--mid {spec!r}: {exc}") from None
+    return RegimeTile(block_n=bn, block_k=bk, group_m=MID_TILE.group_m, warps=warps, stages=stages)
+
+
+def entry(m: int, s, N: int, K: int, gs: int, tiles: list[Tile], mid: RegimeTile = MID_TILE) -> TritonMoEConfig:
+    """default_config's entry (with `mid` as its middle regime), or the last tile whose FROM the mean of pairs
+    per hit expert reaches."""
     pairs = m * s.top_k
     mean = pairs / expected_experts_hit(pairs, s.E)
     chosen = [t for t in tiles if mean >= t.from_mean]
     if not chosen:
-        return default_config(m, s.E, N, K, s.top_k, gs, s.bits, prefill_tiles=True)  # DEVICES are sm90
+        return default_config(m, s.E, N, K, s.top_k, gs, s.bits, prefill_tiles=True, mid=mid)  # DEVICES are sm90
     cfg = chosen[-1].config
     return replace(cfg, BLOCK_SIZE_K=_pick_block_k(K, gs, cfg.BLOCK_SIZE_K))
 
 
-def write_tables(out: Path, shapes, ms: list[int], devices, tiles: list[Tile] = ()) -> int:
+def write_tables(out: Path, shapes, ms: list[int], devices, tiles: list[Tile] = (), mid: RegimeTile = MID_TILE) -> int:
     """One file per GEMM shape and device: {M: default_config(...)} for each M (or a --tile's config where its
     mean is reached); returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +117,7 @@ def write_tables(out: Path, shapes, ms: list[int], devices, tiles: list[Tile] = 
     for s in shapes:
         for N, K, gs in ((2 * s.I, s.H, s.group_w13), (s.H, s.I, s.group_w2)):
             gs = K if gs == -1 else gs
-            table = {str(m): entry(m, s, N, K, gs, list(tiles)).to_dict() for m in ms}
+            table = {str(m): entry(m, s, N, K, gs, list(tiles), mid).to_dict() for m in ms}
             for device in devices:
                 path = out / config_file_name(s.E, N, K, gs, s.bits, device)
                 path.write_text(json.dumps(table, indent=1) + "\n")
@@ -118,6 +140,13 @@ def main(argv=None) -> int:
         metavar="FROM:BMxBNxBK:wW:sS[:swap]",
         help="a candidate rule's tile from a mean of FROM routed pairs per hit expert (repeatable; the last reached wins)",
     )
+    ap.add_argument(
+        "--mid",
+        type=parse_mid,
+        default=MID_TILE,
+        metavar="BNxBK:wW:sS",
+        help="a candidate for the heuristic's middle regime, 16-64 pairs per hit expert (configs.MID_TILE)",
+    )
     args = ap.parse_args(argv)
     shapes = list(SHAPES)
     for name, cfg in catalog_configs(args.catalog):
@@ -126,7 +155,7 @@ def main(argv=None) -> int:
                 shapes.append(model_moe_shape(cfg, tp, 4, 128, name=name))
             except ValueError:
                 pass  # a TP size the model cannot be split at (bench_moe.py says why)
-    n = write_tables(args.out, shapes, args.m, args.device_name or DEVICES, args.tile)
+    n = write_tables(args.out, shapes, args.m, args.device_name or DEVICES, args.tile, args.mid)
     print(f"{n} tables for {len(shapes)} shapes in {args.out}")
     return 0
 

@@ -292,9 +292,39 @@ def block_m_rule(M: int, E: int, top_k: int, prefill_tiles: bool = False) -> int
     return 64
 
 
+@dataclass(frozen=True)
+class RegimeTile:
+    """What default_config asks for in one regime before fitting it to the shape: the widest BLOCK_SIZE_N (it
+    halves until the grid fills the SMs), the wished BLOCK_SIZE_K (_pick_block_k narrows it to the group size),
+    GROUP_SIZE_M, warps and stages."""
+
+    block_n: int
+    block_k: int
+    group_m: int
+    warps: int
+    stages: int
+
+
+# default_config's regimes (by mean = routed pairs per hit expert; the docstring of default_config says why)
+PER_PAIR_TILE = RegimeTile(block_n=64, block_k=256, group_m=1, warps=4, stages=4)
+SMALL_TILE = RegimeTile(block_n=128, block_k=256, group_m=1, warps=4, stages=4)
+# the H200 tuner's choice at 24-64 tokens per expert on the E >= 64 bench shapes (M=256 entries); the former
+# 32x128x128 took 1.7-2.5x as long there (bench/results/h200/2026-12-03-15324db-*)
+MID_TILE = RegimeTile(block_n=64, block_k=64, group_m=8, warps=4, stages=4)
+LARGE_TILE = RegimeTile(block_n=128, block_k=64, group_m=8, warps=8, stages=3)
+
+
 @functools.lru_cache(maxsize=4096)
 def default_config(
-    M: int, E: int, N: int, K: int, top_k: int, group_size: int, bits: int, prefill_tiles: bool = False
+    M: int,
+    E: int,
+    N: int,
+    K: int,
+    top_k: int,
+    group_size: int,
+    bits: int,
+    prefill_tiles: bool = False,
+    mid: RegimeTile = MID_TILE,
 ) -> TritonMoEConfig:
     """GPU-blind heuristic for one GEMM where no tuned entry applies (bench/tune.py writes those).
 
@@ -307,7 +337,8 @@ def default_config(
       small M    (mean <= 16) K 256, N 128 tiles, 4 warps, 4 stages.
       larger M   (mean <= 64) K 64, N 64 tiles, grouped ordering.
       prefill    K 64, N 128 tiles, 8 warps, 3 stages.
-    BLOCK_SIZE_M of the tl.dot regimes is block_m_rule's (64 rows at prefill; 128-256 with prefill_tiles, which
+    (PER_PAIR_TILE, SMALL_TILE, MID_TILE, LARGE_TILE; `mid` replaces MID_TILE for a candidate rule timed beside
+    it: bench/heuristic_tables.py --mid.) BLOCK_SIZE_M of the tl.dot regimes is block_m_rule's (64 rows at prefill; 128-256 with prefill_tiles, which
     callers take from prefill_tiles_apply for the device). BLOCK_SIZE_N shrinks from 128 (64 per pair) until
     the grid has >= 2 programs per SM; if it is still short and K has >= 8 tiles, SPLIT_K (2 or 4) fills it.
     Tiles of 128+ rows keep N 128 and no split, as they were timed (granite-3.1 at TP 4, M=1024: its gate/up
@@ -318,19 +349,13 @@ def default_config(
     tokens_per_expert = pairs / hit
     gs = K if group_size == -1 else group_size
     if tokens_per_expert <= GEMV_MAX_PAIRS_PER_EXPERT:
-        bm, bk_wish, group_m, warps, stages, bn = 1, 256, 1, 4, 4, 64
+        bm, tile = 1, PER_PAIR_TILE
         m_blocks = pairs
     else:
         bm = block_m_rule(M, E, top_k, prefill_tiles)
-        if tokens_per_expert <= 16:
-            bk_wish, group_m, warps, stages, bn = 256, 1, 4, 4, 128
-        elif tokens_per_expert <= 64:
-            # the H200 tuner's choice at 24-64 tokens per expert on the E >= 64 bench shapes (M=256 entries);
-            # the former 32x128x128 took 1.7-2.5x as long there (bench/results/h200/2026-12-03-15324db-*)
-            bk_wish, group_m, warps, stages, bn = 64, 8, 4, 4, 64
-        else:
-            bk_wish, group_m, warps, stages, bn = 64, 8, 8, 3, 128
+        tile = SMALL_TILE if tokens_per_expert <= 16 else mid if tokens_per_expert <= 64 else LARGE_TILE
         m_blocks = hit * expected_block_reads(M, E, top_k, bm)
+    bk_wish, group_m, warps, stages, bn = tile.block_k, tile.group_m, tile.warps, tile.stages, tile.block_n
     m_blocks = max(1, int(m_blocks))
     timed_as_is = bm >= 128  # the prefill tiles run as they were timed: 128 weight rows, no split (block_m_rule)
     while not timed_as_is and bn > 32 and m_blocks * -(-N // bn) < MIN_PROGRAMS:

@@ -54,3 +54,71 @@ def test_a_candidate_tile_replaces_the_heuristic_from_its_mean_on(tmp_path):
                 "64:64x128x64:w8:s3"):  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match="--tile"):
             heuristic_tables.parse_tile(bad)
+
+
+def test_a_middle_regime_candidate_changes_only_that_regime(tmp_path):
+    import argparse
+    from dataclasses import replace
+
+    import pytest
+
+    from vllm_wna16_plugin.kernels.triton.configs import MID_TILE, expected_experts_hit
+
+    argv = [str(tmp_path), "--catalog", "validation", "--tp", "4", "--m", "8,64,128,256,4096", "--device-name", "GPU X",
+            "--mid", "128x256:w4:s3"]  # fmt: skip
+    assert heuristic_tables.main(argv) == 0
+    shape = next(s for s in heuristic_tables.SHAPES if s.name == "mixtral-8x7b")  # E=8, top 2, K 4096 / 14336
+    wide = replace(MID_TILE, block_n=128, block_k=256, stages=3)
+    for N, K in ((2 * shape.I, shape.H), (shape.H, shape.I)):
+        table = load_tuned_configs(shape.E, N, K, 128, 4, "GPU X", tmp_path)
+        for m, cfg in table.items():
+            mean = m * 2 / expected_experts_hit(m * 2, 8)
+            ours = default_config(m, 8, N, K, 2, 128, 4, prefill_tiles=True)
+            if 16 < mean <= 64:  # M 64 (a mean just above 16), 128, 256: the candidate's tile, the heuristic's rows
+                assert cfg == default_config(m, 8, N, K, 2, 128, 4, True, wide) != ours, m
+                assert (cfg.BLOCK_SIZE_K, cfg.num_stages, cfg.BLOCK_SIZE_M) == (256, 3, ours.BLOCK_SIZE_M)
+            else:  # M=8 and prefill: the heuristic's own entries
+                assert cfg == ours, m
+    for bad in ("128x256", "128x256:w3:s4", "128x100:w4:s4", "x:w4:s4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--mid"):
+            heuristic_tables.parse_mid(bad)
+
+
+def test_the_middle_tile_agrees_with_the_h200_run_that_kept_it():
+    """configs.MID_TILE against bench/results/h200 run 3038a96-mid (every catalog model at TP 4, M 64-512; the
+    heuristic's tables as plugin-triton-alt-base, three candidates for its middle regime beside it): at the points
+    whose mean of pairs per hit expert is in (16, 64], the heuristic came within 10% of the fastest candidate at all
+    but one point of each set (docs/perf/any-model.md), and no candidate was faster at most of them."""
+    import csv
+
+    from model_catalog import catalog_configs
+    from model_shapes import model_moe_shape
+
+    from vllm_wna16_plugin.kernels.triton.configs import MID_TILE, RegimeTile, expected_experts_hit
+
+    assert MID_TILE == RegimeTile(block_n=64, block_k=64, group_m=8, warps=4, stages=4)  # what was timed as base
+    dev = {name for name, _ in catalog_configs("dev")}
+    configs = dict(catalog_configs("all"))
+    times: dict[tuple[str, int], dict[str, float]] = {}
+    with open(ROOT / "bench/results/h200/results.csv") as f:
+        for r in csv.DictReader(f):
+            if r["run"] == "3038a96-mid" and r["median_us"]:
+                times.setdefault((r["shape"], int(r["M"])), {})[r["provider"]] = float(r["median_us"])
+    misses = {"dev": 0, "validation": 0}
+    points = {"dev": 0, "validation": 0}
+    wins = {"n128k256": 0, "n64k128": 0, "n128k128": 0}
+    for (label, m), t in times.items():
+        name = label.split("@")[0]
+        shape = model_moe_shape(configs[name], 4, 4, 32 if name.startswith("gpt-oss") else 128, name=name)
+        pairs = m * shape.top_k
+        if not 16 < pairs / expected_experts_hit(pairs, shape.E) <= 64:
+            continue
+        candidates = {k.removeprefix("plugin-triton-alt-"): v for k, v in t.items() if k.startswith("plugin-triton")}
+        which = "dev" if name in dev else "validation"
+        points[which] += 1
+        misses[which] += candidates["base"] > 1.10 * min(candidates.values())
+        for k in wins:
+            wins[k] += candidates[k] < candidates["base"]
+    assert points["dev"] >= 15 and points["validation"] >= 15, points
+    assert misses["dev"] <= 1 and misses["validation"] <= 1, misses
+    assert all(w <= 0.25 * sum(points.values()) for w in wins.values()), wins

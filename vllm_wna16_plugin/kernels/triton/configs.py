@@ -309,7 +309,9 @@ class RegimeTile:
 PER_PAIR_TILE = RegimeTile(block_n=64, block_k=256, group_m=1, warps=4, stages=4)
 SMALL_TILE = RegimeTile(block_n=128, block_k=256, group_m=1, warps=4, stages=4)
 # the H200 tuner's choice at 24-64 tokens per expert on the E >= 64 bench shapes (M=256 entries); the former
-# 32x128x128 took 1.7-2.5x as long there (bench/results/h200/2026-12-03-15324db-*)
+# 32x128x128 took 1.7-2.5x as long there (bench/results/h200/2026-12-03-15324db-*). Kept against three
+# candidates (N 128 K 256, N 64 K 128, N 128 K 128) on all 16 catalog models at TP 4, M 64-512 (H200,
+# 2026-12-06-3038a96-mid): within 10% of the fastest at 18 of 19 development and 15 of 16 validation points
 MID_TILE = RegimeTile(block_n=64, block_k=64, group_m=8, warps=4, stages=4)
 LARGE_TILE = RegimeTile(block_n=128, block_k=64, group_m=8, warps=8, stages=3)
 

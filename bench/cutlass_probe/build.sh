@@ -26,9 +26,16 @@ zipfile.ZipFile(glob.glob(sys.argv[1] + "/nvidia_curand-*.whl")[0]).extractall(s
 PY
   curand=$(dirname "$(find "$out/src/curand" -name curand_kernel.h | head -1)")
 fi
-nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -DNDEBUG \
-  -I "$src/include" -I "$src/tools/util/include" -I "$src/examples/common" -I "$ex" -isystem "$curand" \
-  -o "$out/ex69" "$ex/69_hopper_int4_bf16_grouped_gemm.cu" 2>"$out/build-warnings.log"
+# one binary per token tile (the MMA's N side: the example's 16, and wider tiles for 32-64 tokens per expert)
+for n in ${CUTLASS_PROBE_TILE_N:-16 32 64}; do
+  sed "s/using TileShape           = Shape<_128,_16,/using TileShape           = Shape<_128,_${n},/" \
+    "$ex/69_hopper_int4_bf16_grouped_gemm.cu" > "$ex/probe_n$n.cu"
+  grep -q "Shape<_128,_${n}," "$ex/probe_n$n.cu" || { echo "the example's TileShape line changed: edit build.sh"; exit 1; }
+  nvcc -std=c++17 -O3 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -DNDEBUG \
+    -I "$src/include" -I "$src/tools/util/include" -I "$src/examples/common" -I "$ex" -isystem "$curand" \
+    -o "$out/ex69_n$n" "$ex/probe_n$n.cu" 2>"$out/build-warnings-n$n.log"
+  echo "built $out/ex69_n$n ($(du -h "$out/ex69_n$n" | cut -f1))"
+done
 cp "$here/run.sh" "$out/run.sh"
 rm -rf "$out/src"
-echo "built $out/ex69 ($(du -h "$out/ex69" | cut -f1)); on the GPU: bash $(basename "$out")/run.sh"
+echo "on the GPU: bash $(basename "$out")/run.sh"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CUTLASS 4.2's example 69 (Hopper int4 x bf16 grouped GEMM: TMA, wgmma, warp-specialised cooperative persistent
-# kernel; the weights are the MMA's M side, 128 weight rows x 16 tokens a tile) on MoE GEMMs, one line each:
-# tokens per expert, N (output rows of the weights), K, experts hit; group scales of 128 (--mode=1). The example
+# kernel; the weights are the MMA's M side: 128 weight rows x 16, 32 or 64 tokens a tile, one binary each) on MoE
+# GEMMs, one line each: tokens per expert, N (output rows of the weights), K, experts hit; group scales of 128
+# (--mode=1). The example
 # checks its result against its own reference ("Disposition") and times 30 launches with CUDA events (no CUDA
 # graph: each time includes a launch). Built by bench/cutlass_probe/build.sh; docs/perf/hopper-path.md.
 cd "$(dirname "$0")"
@@ -11,7 +12,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for spec in "16 7168 4096 8" "16 4096 3584 8" "32 7168 4096 8" "32 4096 3584 8" "64 7168 4096 8" "64 4096 3584 8" \
             "16 8192 6144 8" "16 6144 4096 8" "16 1536 2048 128" "16 2048 768 128" "1024 28672 4096 8"; do
   set -- $spec
-  r=$(timeout 60 ./ex69 --m="$1" --n="$2" --k="$3" --groups="$4" --c=128 --mode=1 --iterations=30 --warmup=5 2>&1 \
-      | grep -E "Disposition|Avg runtime|GFLOPS" | tr -s ' \n' ' ')
-  echo "tokens/expert=$1 N=$2 K=$3 experts=$4: $r"
+  for bin in ./ex69_n*; do
+    r=$(timeout 60 "$bin" --m="$1" --n="$2" --k="$3" --groups="$4" --c=128 --mode=1 --iterations=30 --warmup=5 2>&1 \
+        | grep -E "Disposition|Avg runtime|GFLOPS" | tr -s ' \n' ' ')
+    echo "tile 128x${bin#./ex69_n} tokens/expert=$1 N=$2 K=$3 experts=$4: $r"
+  done
 done

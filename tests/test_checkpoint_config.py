@@ -895,15 +895,21 @@ def test_effective_group_size_impossible_names_working_tp_sizes():
             "model.layers.3.mlp.experts: K=24 per rank (tp_size=16, full K=384) cannot use "
             "quantization_config.group_size=128"
         )
-        + r".*\(here 8\).*tensor-parallel sizes that work: 1, 2, 3, 4, 6, 8, 12$",
+        + r".*re-grouping to gcd\(group_size, K\)=8 needs at least 16.*tensor-parallel sizes that work: 1, 2, 3, 4, "
+        r"6, 8, 12$",
     ):
         effective_group_size(GS128, 24, layer="model.layers.3.mlp.experts", tp_size=16)
 
 
 def test_effective_group_size_checkpoint_groups_must_tile_full_k():
     # K=1344 unsplit with group 128: the checkpoint's last group would be partial.
-    with pytest.raises(ValueError, match=r"K=1344 per rank \(tp_size=1, full K=1344\).*sizes that work: none"):
+    # No split helps, so no TP sizes are listed: the group size is named as the likely config error.
+    with pytest.raises(ValueError, match=r"^layer: quantization_config.group_size=128 does not divide the full K=1344: "
+                                         r".*whole groups along K, at any tensor-parallel size"):  # fmt: skip
         effective_group_size(GS128, 1344, layer="layer")
+    # the same at TP 2 (672 per rank): the full K decides, not the rank's
+    with pytest.raises(ValueError, match=r"does not divide the full K=1344"):
+        effective_group_size(GS128, 672, layer="layer", tp_size=2)
 
 
 def test_effective_group_size_act_order_regroups_like_plain_groups():

@@ -338,3 +338,111 @@ def test_act_order_g_idx_with_groups_of_the_wrong_size_is_refused(vllm_cpu, tmp_
     detail = r"g_idx puts 33 of K=\d+ rows into group 0, but act order keeps 32 \(group_size 32\) in each group"
     with pytest.raises(ValueError, match=_expect(expert, proj, "g_idx", detail)):
         _load(vllm_cpu, path, tensors)
+
+
+# ---------------------------------------------------------------- config.json disagrees with the tensors
+#
+# A config.json whose group_size or bits is not what the tensors were written with is a config error, not a
+# corrupt file nor act order: the message says what the tensors hold and what to set.
+
+
+@pytest.mark.parametrize(
+    "kwargs, config_gs, detail, fix",
+    [
+        # GPTQ stores a trivial g_idx: the first tensor checked, whatever the config says
+        pytest.param(
+            dict(fmt="gptq", group_size=32),
+            16,
+            r"g_idx\[k\] = k // 32",
+            r'"group_size": 32 in its config\.json',
+            id="gptq-g_idx-16",
+        ),  # fmt: skip
+        pytest.param(
+            dict(fmt="gptq", group_size=32),
+            64,
+            r"g_idx\[k\] = k // 32",
+            r'"group_size": 32 in its config\.json',
+            id="gptq-g_idx-64",
+        ),  # fmt: skip
+        pytest.param(
+            dict(fmt="gptq", group_size=32),
+            -1,
+            r"g_idx\[k\] = k // 32",
+            r'"group_size": 32 in its config\.json',
+            id="gptq-g_idx-channelwise",
+        ),  # fmt: skip
+        # act order with groups of 32 under a config of 64: still the config's group size, not a corrupt g_idx
+        pytest.param(
+            dict(fmt="gptq", group_size=32, desc_act=True),
+            64,
+            r"g_idx deals K's rows into \d+ groups of 32",
+            r'"group_size": 32 in its config\.json',
+            id="gptq-act-order-64",
+        ),  # fmt: skip
+        pytest.param(
+            dict(fmt="awq", group_size=32, sym=False),
+            64,
+            r"its shape \(\d+, \d+\) holds \d+ groups",
+            r'"group_size": 32 in its config\.json',
+            id="awq-64",
+        ),  # fmt: skip
+        pytest.param(
+            dict(fmt="awq", group_size=64, sym=False),
+            32,
+            r"its shape \(1, \d+\) holds 1 group",
+            r'"group_size" to the group size the tensors were written with \(-1: channel-wise\)',
+            id="awq-32",
+        ),  # fmt: skip
+        pytest.param(
+            dict(fmt="compressed-tensors", group_size=32),
+            64,
+            r"its shape \(\d+, \d+\) holds \d+ groups",
+            r'"strategy": "group", "group_size": 32 in its config_groups weights',
+            id="ct-64",
+        ),  # fmt: skip
+        pytest.param(
+            dict(fmt="compressed-tensors", group_size=-1, group_size_null=True),
+            32,
+            r"its shape \(\d+, 1\) holds 1 group",
+            r'"strategy": "channel" in its config_groups weights',
+            id="ct-channelwise-as-32",
+        ),  # fmt: skip
+    ],
+)
+def test_a_config_group_size_other_than_the_tensors_is_named_as_the_config(vllm_cpu, tmp_path, kwargs, config_gs,
+                                                                           detail, fix):  # fmt: skip
+    path = make_checkpoint(tmp_path / "ck", bits=4, hidden=H, intermediate=I, experts=E, top_k=TOP_K, layers=1,
+                           seed=21, **kwargs)  # fmt: skip
+    if kwargs["fmt"] == "compressed-tensors":
+        _with_quant(
+            path, strategy="channel" if config_gs == -1 else "group", group_size=None if config_gs == -1 else config_gs
+        )
+    else:
+        _with_quant(path, group_size=config_gs)
+    msg = rf"{re.escape(LAYER)}\.\d+\.\w+\.\w+ .*: {detail} along K=\d+, which is .*, but the checkpoint's .* is "
+    with pytest.raises(
+        ValueError, match=msg + rf".*quantized with another group size than config\.json says; set {fix}"
+    ):
+        _load(vllm_cpu, path, _stored(path))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, key",
+    [
+        pytest.param(dict(fmt="gptq", group_size=32), "bits", "bits", id="gptq"),
+        pytest.param(
+            dict(fmt="gptq", group_size=32, sym=False, checkpoint_format="gptq_v2"), "bits", "bits", id="gptq-asym"
+        ),  # fmt: skip
+        pytest.param(
+            dict(fmt="compressed-tensors", group_size=32), "config_groups weights' num_bits", "num_bits", id="ct"
+        ),  # fmt: skip
+    ],
+)
+def test_int4_tensors_under_a_config_of_8_bits_are_named_as_the_config(vllm_cpu, tmp_path, kwargs, field, key):
+    path = make_checkpoint(tmp_path / "ck", bits=4, hidden=H, intermediate=I, experts=E, top_k=TOP_K, layers=1,
+                           seed=22, **kwargs)  # fmt: skip
+    _with_quant(path, **{key: 8})
+    msg = (rf"packs \d+ values into \d+ 32-bit words, which is int4 packing, but the checkpoint's {re.escape(field)} is 8: "
+           rf'set "{key}": 4 in its config\.json')  # fmt: skip
+    with pytest.raises(ValueError, match=msg):
+        _load(vllm_cpu, path, _stored(path))

@@ -134,7 +134,7 @@ def _bad_shapes(p):
         ),
         ("topk_weights", p.topk_weights[:, :1], r"topk_weights has shape \(2, 1\); it must be \(2, 2\)"),
         ("topk_ids", p.topk_ids.float(), r"topk_ids has dtype float32; it must be int32, int64"),
-        ("x", p.x[:, :32], r"w13_qweight has 32 bytes per row but x's H=32 int4 values need 16 \(it holds int8"),
+        ("x", p.x[:, :32], r"x has H=32 columns, but w2_qweight's 64 rows .* say the layer's hidden size is 64"),
         ("w2_qzeros", None, r"only w13_qzeros was given"),
         ("x", p.x.to("meta"), r"w13_qweight is on cpu but x is on meta"),
     ]
@@ -146,6 +146,22 @@ def test_shape_dtype_and_device_mismatches_name_the_argument(backend):
     for name, value, message in _bad_shapes(p):
         with pytest.raises(ValueError, match=message):
             _call(p, backend, **{name: value})
+
+
+def test_int8_weights_called_as_int4_name_bits_and_an_x_of_another_size_names_x():
+    # the weights' own shapes agree with x's H (w2's rows): only the packing disagrees, so the hint is bits
+    p = make_moe_problem(M=2, H=64, I=32, E=4, top_k=2, bits=8, gs1=GS, seed=12)
+    names = ("x", "w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "topk_weights", "topk_ids")
+    args = dict(zip(names, p.args(), strict=True))
+    kwargs = dict(p.kwargs(), group_size=GS, backend="reference", bits=4)
+    with pytest.raises(ValueError, match=r"w13_qweight has 64 bytes per row but x's H=64 int4 values need 32 "
+                                         r"\(it holds int8 values: bits=8\?\)"):  # fmt: skip
+        fused_moe_wna16(*args.values(), **kwargs)
+    # x narrower than the layer: x is named, whatever the bits
+    for bits in (4, 8):
+        args["x"] = p.x[:, :32]
+        with pytest.raises(ValueError, match=r"x has H=32 columns, but w2_qweight's 64 rows"):
+            fused_moe_wna16(*args.values(), **dict(kwargs, bits=bits))
 
 
 @pytest.mark.parametrize(

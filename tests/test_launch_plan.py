@@ -382,7 +382,7 @@ def _odd_layer(rng, hidden, inter, bits=None, gs=None, act_order=None):
         gs13 = effective_group_size(scheme, hidden, layer="gate/up")
         gs2 = effective_group_size(scheme, inter, layer="down", tp_size=tp, full_size_k=inter * tp)
     except ValueError as exc:  # refused at build, with the TP sizes that would work
-        assert "tensor-parallel sizes that work" in str(exc)
+        assert "tensor-parallel sizes that work" in str(exc) or "at any tensor-parallel size" in str(exc)
         return None
     kw = dict(scheme=scheme, hidden=hidden, intermediate=inter, group_size_w13=gs13, group_size_w2=gs2,
               act_dtype=rng.choice((torch.bfloat16, torch.float16)), has_g_idx=act_order,

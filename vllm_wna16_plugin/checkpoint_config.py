@@ -846,13 +846,18 @@ def effective_group_size(
     g = _regroup(scheme.group_size, size_k, full)
     if g is not None:
         return g
-    working = [
-        t for t in range(1, MAX_SUGGESTED_TP + 1) if full % t == 0 and _regroup(scheme.group_size, full // t, full)
-    ]
+    gs = scheme.group_size
+    k_text = f"K={size_k}" if size_k == full else f"K={size_k} per rank (tp_size={tp_size}, full K={full})"
+    if full % gs:  # no split helps: the checkpoint's K is not a whole number of its own groups
+        raise ValueError(
+            f"{layer}: quantization_config.group_size={gs} does not divide the full K={full}: the plugin's kernels "
+            "need whole groups along K, at any tensor-parallel size (a partial last group is not supported). If "
+            "config.json's group size is not the one the tensors were written with, fix it (the stored scales hold "
+            "one row per group along K)"
+        )
+    working = [t for t in range(1, MAX_SUGGESTED_TP + 1) if full % t == 0 and _regroup(gs, full // t, full)]
     raise ValueError(
-        f"{layer}: K={size_k} per rank (tp_size={tp_size}, full K={full}) cannot use "
-        f"quantization_config.group_size={scheme.group_size}: it does not divide K, and re-grouping "
-        f"needs gcd(group_size, K) >= {MIN_REGROUPED_GROUP_SIZE} (here {math.gcd(scheme.group_size, size_k)}) "
-        f"and full K divisible by group_size; tensor-parallel sizes that work: "
-        f"{', '.join(map(str, working)) or 'none'}"
+        f"{layer}: {k_text} cannot use quantization_config.group_size={gs}: it does not divide K, and "
+        f"re-grouping to gcd(group_size, K)={math.gcd(gs, size_k)} needs at least {MIN_REGROUPED_GROUP_SIZE} "
+        f"(the kernels' smallest group); tensor-parallel sizes that work: {', '.join(map(str, working)) or 'none'}"
     )

@@ -124,6 +124,12 @@ def check_layer_tensors(
     inter = two_i // 2
     if inter == 0:
         raise ValueError("w13_qweight has 0 rows: the intermediate size I must be positive")
+    if isinstance(w2_qweight, torch.Tensor) and w2_qweight.dim() == 3 and w2_qweight.shape[1] != hidden:
+        # w2's rows are the layer's H whatever the bits: x, not the packing, disagrees with the weights
+        raise ValueError(
+            f"x has H={hidden} columns, but w2_qweight's {w2_qweight.shape[1]} rows (E, H, I*bits/8) say the "
+            f"layer's hidden size is {w2_qweight.shape[1]}: pass x with the layer's hidden size"
+        )
     if hidden * bits % 8 or inter * bits % 8:
         raise ValueError(f"H={hidden} and I={inter} int{bits} values must fill whole bytes")
     if w13_qweight.shape[-1] * 8 != hidden * bits:

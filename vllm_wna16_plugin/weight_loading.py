@@ -107,10 +107,74 @@ def _first(bad: torch.Tensor) -> tuple[int, ...]:
 _CORRUPT = "the checkpoint file is corrupt or was written wrongly: re-download or re-export it"
 
 
+def _group_size_text(gs: int) -> str:
+    return "-1 (channel-wise)" if gs == -1 else str(gs)
+
+
+def group_size_mismatch(scheme: WNA16Scheme, k: int, groups_found: int, name: str | TensorName, what: str) -> str:
+    """The error when a tensor holds `groups_found` scale groups along K where the config's group size gives
+    another count: the config, not the file, is wrong (the group size the tensor was written with, and where to
+    set it). One group along K is channel-wise or any group size >= K (K=64 with groups of 128). what: how the
+    tensor shows its groups, e.g. "its shape (4, 64) holds 4 groups"."""
+    ct = scheme.pack_format is PackFormat.CT_PACKED
+    if groups_found == 1:
+        found = f"one group over all of K: group_size {k} or more, or -1 (channel-wise)"
+        fix = ('"strategy": "channel" in its config_groups weights (or "group" with the group size the tensors were '
+               "written with)" if ct else '"group_size" to the group size the tensors were written with (-1: '
+               "channel-wise) in its config.json")  # fmt: skip
+    else:
+        gs = -(-k // groups_found)
+        found = f"group_size {gs}"
+        fix = f'"strategy": "group", "group_size": {gs} in its config_groups weights' if ct else (
+            f'"group_size": {gs} in its config.json')  # fmt: skip
+    field = "config_groups weights' group_size" if ct else "quantization_config.group_size"
+    groups = scheme.num_groups(k)
+    return (
+        f"{_describe(name)}: {what} along K={k}, which is {found}, but the checkpoint's {field} is "
+        f"{_group_size_text(scheme.group_size)} ({groups} group{'s' * (groups != 1)}): the tensors were quantized "
+        f"with another group size than config.json says; set {fix}"
+    )
+
+
+def bits_mismatch(scheme: WNA16Scheme, found_bits: int, name: str | TensorName, what: str) -> str:
+    """The error when a packed tensor's width says int`found_bits` values where the config says scheme.bits."""
+    field = {
+        PackFormat.GPTQ: "bits",
+        PackFormat.AWQ: "bits (w_bit)",
+        PackFormat.CT_PACKED: "config_groups weights' num_bits",
+    }
+    key = "num_bits" if scheme.pack_format is PackFormat.CT_PACKED else "bits"
+    return (
+        f"{_describe(name)}: {what}, which is int{found_bits} packing, but the checkpoint's "
+        f'{field[scheme.pack_format]} is {scheme.bits}: set "{key}": {found_bits} in its config.json'
+    )
+
+
+def _contiguous_group_size(g_idx: torch.Tensor, k: int) -> int | None:
+    """The group size gs' for which g_idx == arange(k) // gs' (groups in K order), else None."""
+    if k == 0 or int(g_idx[0]) != 0:
+        return None
+    gs = int((g_idx == 0).sum())
+    return gs if torch.equal(g_idx.to(torch.int64), torch.arange(k) // gs) else None
+
+
 def check_g_idx(scheme: WNA16Scheme, g_idx: torch.Tensor, k: int, name: str | TensorName) -> None:
     """g_idx[k] = the scale group of input row k: in [0, G); without act order, exactly k // group_size."""
     g, gs = scheme.num_groups(k), scheme.group_size_for(k)
     lo, hi = torch.aminmax(g_idx)
+    # groups in K order but of another size than the config's: the config's group size is wrong, not the file
+    # (nor act order). With act order, groups of one size gs' other than the config's say the same.
+    contiguous = _contiguous_group_size(g_idx, k)
+    if contiguous is not None and contiguous != gs:
+        raise ValueError(group_size_mismatch(scheme, k, -(-k // contiguous), name, f"g_idx[k] = k // {contiguous}"))
+    groups_found = int(hi) + 1
+    if scheme.desc_act and int(lo) == 0 and groups_found != g and groups_found <= k:  # (bincount: bounded by K)
+        counts = torch.bincount(g_idx.to(torch.int64))
+        size = int(counts[0])
+        same_size = bool((counts[:-1] == size).all()) and 0 < int(counts[-1]) <= size
+        if size != gs and same_size and -(-k // size) == groups_found:
+            what = f"g_idx deals K's rows into {groups_found} groups of {size}"
+            raise ValueError(group_size_mismatch(scheme, k, groups_found, name, what))
     if lo < 0 or hi >= g:
         (row,) = _first((g_idx < 0) | (g_idx >= g))
         raise ValueError(
@@ -249,6 +313,37 @@ def _check(
         raise ValueError(f"{_describe(name)}: expected dtype {' or '.join(map(str, dtypes))}, found {tensor.dtype}")
 
 
+def _check_groups(
+    scheme: WNA16Scheme, name: str | TensorName, tensor: torch.Tensor, shape: tuple[int, ...], dim: int, k: int
+) -> None:
+    """A scales / zero-points tensor whose group dimension `dim` alone differs from `shape`: another group size
+    than the config's (group_size_mismatch). Any other shape error is left to _check."""
+    if tensor.dim() != len(shape) or tuple(tensor.shape) == tuple(shape):
+        return
+    others = [i for i in range(len(shape)) if i != dim % len(shape)]
+    found = tensor.shape[dim]
+    if all(tensor.shape[i] == shape[i] for i in others) and 0 < found <= k:
+        what = f"its shape {tuple(tensor.shape)} holds {found} group{'s' * (found != 1)}"
+        raise ValueError(group_size_mismatch(scheme, k, found, name, what))
+
+
+def _check_packing(
+    scheme: WNA16Scheme, name: str | TensorName, tensor: torch.Tensor, shape: tuple[int, ...], dim: int, size: int
+) -> None:
+    """A packed tensor whose packed dimension `dim` (holding `size` values) alone differs from `shape` by what
+    another bit width would pack: the config's bits are wrong (bits_mismatch)."""
+    if tensor.dim() != len(shape) or tuple(tensor.shape) == tuple(shape):
+        return
+    others = [i for i in range(len(shape)) if i != dim]
+    found = tensor.shape[dim]
+    if not all(tensor.shape[i] == shape[i] for i in others) or found == 0 or (32 * found) % size:
+        return
+    found_bits = 32 * found // size
+    if found_bits in (4, 8) and found_bits != scheme.bits:
+        what = f"its shape {tuple(tensor.shape)} packs {size} values into {found} 32-bit words"
+        raise ValueError(bits_mismatch(scheme, found_bits, name, what))
+
+
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INT32 = (torch.int32,)
 
@@ -275,28 +370,38 @@ def unpack_checkpoint_tensor(
         return tensor.to(torch.int32)
     if kind == "scales":
         layout = "NG" if fmt is PackFormat.CT_PACKED else "GN"
+        _check_groups(scheme, name, tensor, (n, g) if layout == "NG" else (g, n), -1 if layout == "NG" else 0, k)
         _check(name, tensor, (n, g) if layout == "NG" else (g, n), _FLOATS)
         check_scales(tensor, dtype, layout, name)
         return tensor if layout == "NG" else tensor.T
     if fmt is PackFormat.GPTQ:
         if kind == "qweight":
+            _check_packing(scheme, name, tensor, (k // pf, n), 0, k)
             _check(name, tensor, (k // pf, n), _INT32)
             return unpack_along(tensor, bits, dim=0, word_bits=32).T
         if kind == "qzeros":
+            _check_groups(scheme, name, tensor, (g, n // pf), 0, k)
+            _check_packing(scheme, name, tensor, (g, n // pf), 1, n)
             _check(name, tensor, (g, n // pf), _INT32)
             return gptq_zero_points(scheme, tensor, name)
     if fmt is PackFormat.AWQ:
         if kind == "qweight":
+            _check_packing(scheme, name, tensor, (k, n // pf), 1, n)
             _check(name, tensor, (k, n // pf), _INT32)
             return unpack_along(tensor, bits, dim=1, word_bits=32, order=AWQ_PACK_ORDER).T
         if kind == "qzeros":
+            _check_groups(scheme, name, tensor, (g, n // pf), 0, k)
+            _check_packing(scheme, name, tensor, (g, n // pf), 1, n)
             _check(name, tensor, (g, n // pf), _INT32)
             return unpack_along(tensor, bits, dim=1, word_bits=32, order=AWQ_PACK_ORDER).T
     if fmt is PackFormat.CT_PACKED:
         if kind == "qweight":
+            _check_packing(scheme, name, tensor, (n, k // pf), 1, k)
             _check(name, tensor, (n, k // pf), _INT32)
             return unpack_along(tensor, bits, dim=1, word_bits=32)
         if kind == "qzeros":
+            if tensor.dtype == torch.int32 and tensor.dim() == 2 and tensor.shape[0] == n // pf:
+                _check_groups(scheme, name, tensor, (n // pf, g), 1, k)
             if tensor.dtype == torch.int32 and tuple(tensor.shape) == (n // pf, g):
                 return unpack_along(tensor, bits, dim=0, word_bits=32)
             # Older compressed-tensors kept zero points unpacked and signed.

@@ -323,6 +323,29 @@ def test_doctor_tp_that_does_not_divide_lists_the_tp_sizes_that_do(four_layers, 
         plan(_with_config(four_layers, tmp_path, moe_intermediate_size=96, num_attention_heads=6), tp=4)
 
 
+def test_doctor_a_group_size_no_tp_size_can_load_is_not_blamed_on_the_flag(four_layers, tmp_path):
+    # I=320 with group 128: the full K of the down projection is not a whole number of groups, at any TP size
+    # and under --ep too (whole experts): one message that names the group size and the full K, not "--tp=N"
+    quant = _GPTQ | {"group_size": 128}
+    path = _with_config(four_layers, tmp_path, quantization_config=quant, moe_intermediate_size=320,
+                        num_attention_heads=16)  # fmt: skip
+    messages = set()
+    for tp, ep in ((1, False), (2, False), (2, True)):
+        with pytest.raises(ValueError, match=r"^no tensor-parallel size \(1-16(, with --ep)?\) can load this checkpoint: "
+                                             r".*\(down, K=intermediate\): quantization_config.group_size=128 does not "
+                                             r"divide the full K=320") as exc:  # fmt: skip
+            plan(path, tp=tp, ep=ep)
+        messages.add(str(exc.value).replace(", with --ep", ""))
+        assert "--tp=" not in str(exc.value) and "sizes that work" not in str(exc.value)
+    assert len(messages) == 1
+    # the hidden size is never split: group 48 on H=256 names the gate/up K, whatever --tp says
+    quant48 = _with_config(four_layers, tmp_path, quantization_config=_GPTQ | {"group_size": 48})
+    for tp in (1, 2):
+        with pytest.raises(ValueError, match=r"\(gate/up, K=hidden\): quantization_config.group_size=48 does not divide "
+                                             r"the full K=256"):  # fmt: skip
+            plan(quant48, tp=tp)
+
+
 @pytest.mark.parametrize("tp", [0, -2, True, "2", 2.0])
 def test_doctor_refuses_a_tp_that_is_not_a_positive_int(gs32_k2048, tp):
     with pytest.raises(ValueError, match=rf"--tp={re.escape(repr(tp))} is not a positive int"):

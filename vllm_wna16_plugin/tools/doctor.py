@@ -433,12 +433,12 @@ def _tp_problem(
         return f"the experts' intermediate size {dims.intermediate} is not divisible by it"
     if dims.num_heads is not None and dims.num_heads % tp:
         return f"{_field(dims.where, 'num_attention_heads')}={dims.num_heads} is not divisible by it (vLLM needs that)"
-    if ep:
-        return None if dims.experts >= tp else f"{dims.experts} experts cannot give each of {tp} EP ranks one"
+    if ep and dims.experts < tp:
+        return f"{dims.experts} experts cannot give each of {tp} EP ranks one"
     for g in groups:
         if g.scheme is not None:
-            try:
-                _group_sizes(g.scheme, dims, tp, prefixes[g.layers[0]])
+            try:  # under expert parallelism a rank's experts are whole: their K as at TP 1
+                _group_sizes(g.scheme, dims, 1 if ep else tp, prefixes[g.layers[0]])
             except ValueError as exc:
                 return str(exc)
     return None
@@ -484,6 +484,9 @@ def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90",
     problem = _tp_problem(dims, groups, prefixes, tp, ep)
     if problem is not None:
         working = [t for t in range(1, MAX_SUGGESTED_TP + 1) if _tp_problem(dims, groups, prefixes, t, ep) is None]
+        if not working:  # not the flag's fault: no size loads it
+            raise ValueError(f"no tensor-parallel size (1-{MAX_SUGGESTED_TP}{', with --ep' if ep else ''}) can load "
+                             f"this checkpoint: {_tp_problem(dims, groups, prefixes, 1, ep) or problem}")  # fmt: skip
         flag = f"--tp={tp} --ep" if ep else f"--tp={tp}"
         raise ValueError(f"{flag} (tensor-parallel size, TP{', with expert parallelism' if ep else ''}) cannot load "
                          f"this checkpoint: {problem}; TP sizes that pass every check (up to {MAX_SUGGESTED_TP}"

@@ -346,69 +346,28 @@ def test_act_order_g_idx_with_groups_of_the_wrong_size_is_refused(vllm_cpu, tmp_
 # corrupt file nor act order: the message says what the tensors hold and what to set.
 
 
-@pytest.mark.parametrize(
-    "kwargs, config_gs, detail, fix",
-    [
-        # GPTQ stores a trivial g_idx: the first tensor checked, whatever the config says
-        pytest.param(
-            dict(fmt="gptq", group_size=32),
-            16,
-            r"g_idx\[k\] = k // 32",
-            r'"group_size": 32 in its config\.json',
-            id="gptq-g_idx-16",
-        ),  # fmt: skip
-        pytest.param(
-            dict(fmt="gptq", group_size=32),
-            64,
-            r"g_idx\[k\] = k // 32",
-            r'"group_size": 32 in its config\.json',
-            id="gptq-g_idx-64",
-        ),  # fmt: skip
-        pytest.param(
-            dict(fmt="gptq", group_size=32),
-            -1,
-            r"g_idx\[k\] = k // 32",
-            r'"group_size": 32 in its config\.json',
-            id="gptq-g_idx-channelwise",
-        ),  # fmt: skip
-        # act order with groups of 32 under a config of 64: still the config's group size, not a corrupt g_idx
-        pytest.param(
-            dict(fmt="gptq", group_size=32, desc_act=True),
-            64,
-            r"g_idx deals K's rows into \d+ groups of 32",
-            r'"group_size": 32 in its config\.json',
-            id="gptq-act-order-64",
-        ),  # fmt: skip
-        pytest.param(
-            dict(fmt="awq", group_size=32, sym=False),
-            64,
-            r"its shape \(\d+, \d+\) holds \d+ groups",
-            r'"group_size": 32 in its config\.json',
-            id="awq-64",
-        ),  # fmt: skip
-        pytest.param(
-            dict(fmt="awq", group_size=64, sym=False),
-            32,
-            r"its shape \(1, \d+\) holds 1 group",
-            r'"group_size" to the group size the tensors were written with \(-1: channel-wise\)',
-            id="awq-32",
-        ),  # fmt: skip
-        pytest.param(
-            dict(fmt="compressed-tensors", group_size=32),
-            64,
-            r"its shape \(\d+, \d+\) holds \d+ groups",
-            r'"strategy": "group", "group_size": 32 in its config_groups weights',
-            id="ct-64",
-        ),  # fmt: skip
-        pytest.param(
-            dict(fmt="compressed-tensors", group_size=-1, group_size_null=True),
-            32,
-            r"its shape \(\d+, 1\) holds 1 group",
-            r'"strategy": "channel" in its config_groups weights',
-            id="ct-channelwise-as-32",
-        ),  # fmt: skip
-    ],
-)
+_GPTQ_FIX, _GROUPS = r'"group_size": 32 in its config\.json', r"its shape \(\d+, \d+\) holds \d+ groups"
+# (id, checkpoint, config's group size, what the message says the tensors hold, the fix it gives)
+_CONFIG_GROUP_CASES = [
+    # GPTQ stores a trivial g_idx: the first tensor checked, whatever the config says
+    ("gptq-g_idx-16", dict(fmt="gptq", group_size=32), 16, r"g_idx\[k\] = k // 32", _GPTQ_FIX),
+    ("gptq-g_idx-64", dict(fmt="gptq", group_size=32), 64, r"g_idx\[k\] = k // 32", _GPTQ_FIX),
+    ("gptq-g_idx-channelwise", dict(fmt="gptq", group_size=32), -1, r"g_idx\[k\] = k // 32", _GPTQ_FIX),
+    # act order with groups of 32 under a config of 64: still the config's group size, not a corrupt g_idx
+    ("gptq-act-order-64", dict(fmt="gptq", group_size=32, desc_act=True), 64,
+     r"g_idx deals K's rows into \d+ groups of 32", _GPTQ_FIX),
+    ("awq-64", dict(fmt="awq", group_size=32, sym=False), 64, _GROUPS, _GPTQ_FIX),
+    # K=64 in one group of 64: group size 64 or more, or channel-wise
+    ("awq-32", dict(fmt="awq", group_size=64, sym=False), 32, r"its shape \(1, \d+\) holds 1 group",
+     r'"group_size" to the group size the tensors were written with \(-1: channel-wise\)'),
+    ("ct-64", dict(fmt="compressed-tensors", group_size=32), 64, _GROUPS,
+     r'"strategy": "group", "group_size": 32 in its config_groups weights'),
+    ("ct-channelwise-as-32", dict(fmt="compressed-tensors", group_size=-1, group_size_null=True), 32,
+     r"its shape \(\d+, 1\) holds 1 group", r'"strategy": "channel" in its config_groups weights'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kwargs, config_gs, detail, fix", [pytest.param(*c[1:], id=c[0]) for c in _CONFIG_GROUP_CASES])
 def test_a_config_group_size_other_than_the_tensors_is_named_as_the_config(vllm_cpu, tmp_path, kwargs, config_gs,
                                                                            detail, fix):  # fmt: skip
     path = make_checkpoint(tmp_path / "ck", bits=4, hidden=H, intermediate=I, experts=E, top_k=TOP_K, layers=1,

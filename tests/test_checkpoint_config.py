@@ -304,6 +304,13 @@ def test_gptq_modules_in_block_to_quantize_checks_every_shard():
     partial = parse_gptq({**GPTQ_INT8, "modules_in_block_to_quantize": ["self_attn.q_proj", "self_attn.k_proj"]})
     with pytest.raises(ValueError, match=r"model\.layers\.2\.self_attn\.qkv_proj: its shards have different"):
         partial.scheme_for("model.layers.2.self_attn.qkv_proj")
+    # a MoE layer is no fused module: a list naming some of its projections leaves it to the stored tensors
+    # (quant_config: stored_experts_scheme), as vLLM 0.34 reads no list for MoE layers
+    some = parse_gptq(
+        {**GPTQ_INT8, "modules_in_block_to_quantize": ["mlp.experts.0.gate_proj", "mlp.experts.0.up_proj"]}
+    )
+    assert some.scheme_for("model.layers.2.mlp.experts", moe=True) is None
+    assert some.stored_experts_scheme("model.layers.2.mlp.experts") == some.scheme
 
 
 # ---------------------------------------------------------------- AWQ details
@@ -951,6 +958,17 @@ def test_gptq_dynamic_rules_giving_one_expert_projection_its_own_scheme_are_refu
                                          rf"the experts' {shard} .*does not match the MoE layer's own name"):  # fmt: skip
         cfg.scheme_for("model.layers.3.mlp.experts", moe=True)
     assert cfg.scheme_for("model.layers.3.mlp.down_proj", moe=False) is not None  # a dense MLP's: its own rule
+
+
+@pytest.mark.parametrize("rules", [{r"-:.*mlp\.experts\..*": {}}, {r"-:.*experts\.\d+\.(gate|up|down)_proj": {}},
+                                   {r"-:.*gate_proj": {}, r"-:.*up_proj": {}, r"-:.*down_proj": {}}])  # fmt: skip
+def test_gptq_dynamic_rules_skipping_every_expert_projection_leave_the_layer_unquantized(rules):
+    # GPTQModel's per-module form of "the experts were left float": every projection skipped by a rule matching it,
+    # none matching the layer's own name. One verdict for all projections: the layer is unquantized (not refused)
+    cfg = parse_gptq({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
+                      "dynamic": rules})  # fmt: skip
+    assert cfg.scheme_for("model.layers.3.mlp.experts", moe=True) is None
+    assert cfg.scheme_for("model.layers.3.self_attn.o_proj", moe=False) is not None
 
 
 def test_gptq_dynamic_rules_matching_the_moe_layer_still_apply():

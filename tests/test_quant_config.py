@@ -132,8 +132,10 @@ def test_gptq_experts_stored_quantized_load_whatever_modules_in_block_to_quantiz
     moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
     names = ("w1", "w2", "w3") if arch == "mixtral" else ("gate_proj", "down_proj", "up_proj")
     listing = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]]
-    if arch == "mixtral":  # the experts by their own names; on qwen3_moe not at all
+    if arch == "mixtral":  # the experts by their own names; on qwen3_moe by the names vLLM probes, but not all
         listing.append([f"{moe}.experts.0.{n}" for n in names])
+    else:  # gate and up listed, down not: formerly refused as shards of "a fused module" that disagree
+        listing.append([f"{moe}.experts.{e}.{n}" for e in range(4) for n in ("gate_proj", "up_proj")])
     cfg = _config_of(path, modules_in_block_to_quantize=listing)
     prefix = f"model.layers.0.{moe}.experts"
     assert cfg.parsed.scheme_for(prefix, moe=True) is None  # the probe (gate_proj) misses on both

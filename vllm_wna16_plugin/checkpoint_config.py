@@ -273,11 +273,17 @@ class _GPTQRules(_Rules):
         names = _expert_probes(prefix, experts) if moe else _shards(prefix, fused)
         if names is None:
             listed = self._listed(prefix)
+        elif moe:  # vLLM 0.34 does not read the list for MoE layers: one not naming every projection leaves
+            # the layer to what the file stores (quant_config: stored_experts_scheme)
+            listed = all(self._listed(n) for n in names)
         else:  # vLLM's is_layer_gptq_quantized: every shard listed, or none
             listed = _agree(prefix, names, [self._listed(n) for n in names], "quantization (listed or not)")
         if not listed:
             return None
         if moe:
+            own = _expert_probes(prefix, experts)  # the layer's own projection names
+            if all(self._dynamic_rule(n)[0] is not None and self._dynamic(n) is None for n in own):
+                return None  # "-:" rules that skip every projection (GPTQModel's per-module form): experts left float
             self._check_experts_dynamic(prefix, _expert_probes(prefix, experts, EXPERT_PROJECTIONS))
         return self._dynamic(prefix)  # vLLM matches `dynamic` against the (fused) prefix itself
 

@@ -346,6 +346,23 @@ def test_doctor_a_group_size_no_tp_size_can_load_is_not_blamed_on_the_flag(four_
             plan(quant48, tp=tp)
 
 
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        pytest.param({"model_type": "gpt_oss"}, r"a bias on each expert's GEMMs \(has_bias=True\)", id="gpt-oss"),
+        pytest.param({"swiglu_limit": 7.0}, r"a clamp on the gated activation \(swiglu_limit=7\.0\)", id="clamp"),
+        pytest.param({"swiglu_alpha": 1.702}, r"a scaled SwiGLU \(swiglu_alpha=1\.702\)", id="alpha"),
+    ],
+)
+def test_doctor_refuses_experts_whose_math_loading_refuses(four_layers, tmp_path, changes, named):
+    # loading refuses these layers (activation.check_expert_math on vLLM's FusedMoEConfig); doctor, reading
+    # config.json alone, must not plan them as if they ran
+    path = _with_config(four_layers, tmp_path, **changes)
+    with pytest.raises(ValueError, match=rf"^config\.json, model_type .*: this model's experts compute .*{named}"):
+        plan(path)
+    assert "backend on sm90" in plan(_with_config(four_layers, tmp_path, swiglu_limit=None))  # null: plain SwiGLU
+
+
 @pytest.mark.parametrize("tp", [0, -2, True, "2", 2.0])
 def test_doctor_refuses_a_tp_that_is_not_a_positive_int(gs32_k2048, tp):
     with pytest.raises(ValueError, match=rf"--tp={re.escape(repr(tp))} is not a positive int"):

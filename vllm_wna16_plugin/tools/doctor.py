@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from vllm_wna16_plugin import _vllm
+from vllm_wna16_plugin.activation import check_expert_math
 from vllm_wna16_plugin.backends import MoEProblem, RunOptions
 from vllm_wna16_plugin.backends.base import act_order_split_issue, random_act_order_padding
 from vllm_wna16_plugin.block_config import LEGAL_K_RATIOS, choose_cuda_block_config, cuda_group_size
@@ -234,6 +235,24 @@ def moe_layout(cfg: Mapping) -> tuple[str | None, MoELayout]:
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in MOE_LAYOUTS), None) if isinstance(archs, list) else None
     return arch, MOE_LAYOUTS.get(arch, DEFAULT_LAYOUT)
+
+
+# config.json fields from which vLLM's model code sets a FusedMoEConfig field that adds to the experts' math, and
+# model types whose experts carry biases: loading refuses those layers (activation.check_expert_math), so doctor does
+_EXPERT_MATH_KEYS = ("swiglu_limit", "swiglu_alpha", "swiglu_beta")
+_BIASED_EXPERTS = ("gpt_oss",)  # vLLM builds their FusedMoE with has_bias=True
+
+
+def check_expert_math_of(cfg: Mapping, dims: MoEDims) -> None:
+    """Refuse (ValueError, as loading would) a config whose experts compute more than act(gate) * up."""
+    c = cfg if dims.where == "" else cfg["text_config"]
+    extras = {k: c[k] for k in _EXPERT_MATH_KEYS if c.get(k) is not None}
+    model_type = c.get("model_type") or cfg.get("model_type")
+    if model_type in _BIASED_EXPERTS:
+        extras = {"has_bias": True, **extras}
+    if extras:
+        where = f"config.json{f' ({dims.where[:-1]})' if dims.where else ''}, model_type {model_type!r}"
+        check_expert_math("silu", extras, where)
 
 
 def moe_layer_prefixes(cfg: Mapping, dims: MoEDims) -> tuple[dict[int, str], str]:
@@ -474,6 +493,7 @@ def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90",
     cfg = _read_config(model_dir)
     parsed = parse_quantization_config(quantization_config_of(model_dir, cfg))
     dims = moe_dims(cfg)
+    check_expert_math_of(cfg, dims)
     prefixes, naming = moe_layer_prefixes(cfg, dims)
     layout = moe_layout(cfg)[1]
     groups = moe_schemes(parsed, prefixes, layout.as_vllm_names(stored_tensor_names(model_dir)), layout.experts)

@@ -363,6 +363,26 @@ def test_doctor_refuses_experts_whose_math_loading_refuses(four_layers, tmp_path
     assert "backend on sm90" in plan(_with_config(four_layers, tmp_path, swiglu_limit=None))  # null: plain SwiGLU
 
 
+@pytest.mark.parametrize(
+    "fields, moe_layers",
+    [
+        pytest.param({"interleave_moe_layer_step": 2}, "1, 3", id="llama4-interleaved"),
+        pytest.param({"interleave_moe_layer_step": 1}, "0-3", id="llama4-every-layer"),
+        pytest.param({"expert_layer_period": 2, "expert_layer_offset": 1}, "1, 3", id="jamba"),
+        pytest.param({"first_k_dense_replace": 1}, "1-3", id="deepseek-fields"),
+        pytest.param({}, "0-3", id="none"),
+    ],
+)
+def test_doctor_reads_the_interleaving_fields_of_an_architecture_it_does_not_know(four_layers, tmp_path, fields,
+                                                                                   moe_layers):  # fmt: skip
+    # the layer list of an unknown architecture follows the MoE-interleaving fields its config.json has (names
+    # stay "assumed"); formerly every layer was listed as MoE whatever they said
+    path = _with_config(four_layers, tmp_path, architectures=["SomeNewMoeForCausalLM"], **fields)
+    text = plan(path, launch_configs=False)
+    assert re.search(rf"layers {moe_layers}: gptq int4 group 32", text), text[:600]
+    assert "assumed" in text
+
+
 @pytest.mark.parametrize("tp", [0, -2, True, "2", 2.0])
 def test_doctor_refuses_a_tp_that_is_not_a_positive_int(gs32_k2048, tp):
     with pytest.raises(ValueError, match=rf"--tp={re.escape(repr(tp))} is not a positive int"):

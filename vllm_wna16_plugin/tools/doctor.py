@@ -216,7 +216,36 @@ MOE_LAYOUTS = {
     "MiniMaxM2ForCausalLM": MoELayout("mlp", _every_layer, ("w1", "w3", "w2"), stored_block="block_sparse_moe"),
     "Lfm2MoeForCausalLM": MoELayout("feed_forward", _lfm2_moe_layer, ("w1", "w3", "w2")),
 }
-DEFAULT_LAYOUT = MoELayout("mlp", _every_layer)
+
+
+def _assumed_moe_layer(c: Mapping, where: str, i: int) -> bool:
+    """An architecture doctor does not know: the interleaving fields that config.json has, as the model families
+    that use them read them (Llama-4's interleave_moe_layer_step: (i + 1) % step == 0, 0 none; Jamba's
+    expert_layer_period / expert_layer_offset: i % period == offset; DeepSeek's first_k_dense_replace /
+    moe_layer_freq; Qwen-MoE's decoder_sparse_step / mlp_only_layers), else every layer."""
+    if "interleave_moe_layer_step" in c:
+        step = c["interleave_moe_layer_step"]
+        problem = not_an_int(step) or ("is negative" if step < 0 else None)
+        if problem:
+            raise ValueError(f"{_field(where, 'interleave_moe_layer_step')}={step!r} {problem}; supported: 0 or a "
+                             "positive int")  # fmt: skip
+        return step > 0 and (i + 1) % step == 0
+    if "expert_layer_period" in c:
+        period = _positive_int(where, "expert_layer_period", c["expert_layer_period"])
+        offset = c.get("expert_layer_offset", 0)
+        problem = not_an_int(offset) or ("is negative" if offset < 0 else None)
+        if problem:
+            raise ValueError(f"{_field(where, 'expert_layer_offset')}={offset!r} {problem}; supported: 0 or a "
+                             "positive int")  # fmt: skip
+        return i % period == offset
+    if "first_k_dense_replace" in c or "moe_layer_freq" in c:
+        return _deepseek_moe_layer(c, where, i)
+    if "decoder_sparse_step" in c or "mlp_only_layers" in c:
+        return _qwen_moe_layer(c, where, i)
+    return True
+
+
+DEFAULT_LAYOUT = MoELayout("mlp", _assumed_moe_layer)
 
 
 @dataclass(frozen=True)

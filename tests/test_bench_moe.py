@@ -267,13 +267,14 @@ def test_expert_parallel_splits_the_experts_not_i(shapes):
         (
             DEEPSEEK_V2_LITE,
             {"tp": 16},
-            r"tp=16 cannot load .*K=88 per rank .*gcd\(group_size, K\) >= 16 \(here 8\).*TP sizes that work: 1, 2, 4, 8$",
+            r"tp=16 cannot load .*K=88 per rank .*re-grouping to gcd\(group_size, K\)=8 needs at least 16.*TP sizes "
+            r"that work: 1, 2, 4, 8$",
         ),
         (GLM_4_5_AIR, {"tp": 16}, r"K=88 per rank"),
         (GPT_OSS_20B, {"tp": 8, "group_size": 32}, r"K=360 per rank .*TP sizes that work: 1, 2, 4$"),  # heads: no 3
         (GPT_OSS_20B, {}, r"int4 group 128 .*cannot quantize this model's experts at any TP size: .*K=2880"),
         (OLMOE_1B_7B, {"tp": 3}, r"intermediate_size=1024 is not divisible by tp=3"),
-        ({**OLMOE_1B_7B, "intermediate_size": 1026}, {"tp": 2}, r"tp=2 cannot load .*K=513 per rank"),
+        ({**OLMOE_1B_7B, "intermediate_size": 1026}, {"tp": 2}, r"tp=2 cannot load .*does not divide the full K=1026"),
         (QWEN3_30B_A3B, {"tp": 0}, r"tp=0 is not a positive int"),
         (QWEN3_30B_A3B, {"bits": 3}, r"--bits=3 is not supported; supported: 4, 8"),
         (QWEN3_30B_A3B, {"group_size": 0}, r"--group-size=0 is not supported"),
@@ -418,6 +419,10 @@ def test_every_catalog_model_gives_the_tuner_a_problem(bench, tmp_path):
         path = tmp_path / name
         path.mkdir()
         (path / "config.json").write_text(json.dumps(model_catalog.checkpoint_config(name, group_size=32)))
+        if model_catalog.CATALOG[name][1].get("model_type") == "gpt_oss":  # biased experts: loading refuses them
+            with pytest.raises(ValueError, match=r"model_type 'gpt_oss': .*a bias on each expert's GEMMs"):
+                moe_problems(path, 1, "cuda", 90)
+            continue
         [(group, problem)] = moe_problems(path, 1, "cuda", 90)
         _, cfg = model_catalog.CATALOG[name]
         assert problem.top_k == cfg.get("text_config", cfg).get("num_experts_per_tok", cfg.get("moe_k")), name

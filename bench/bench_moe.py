@@ -45,8 +45,9 @@ from model_shapes import Shape, model_moe_shape, shapes_from_configs  # noqa: E4
 
 from vllm_wna16_plugin import packing  # noqa: E402
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, RunOptions  # noqa: E402
+from vllm_wna16_plugin.compose import composable_with, compose_with  # noqa: E402
 from vllm_wna16_plugin.kernels.options import KernelOptions  # noqa: E402
-from vllm_wna16_plugin.launch_plan import LayerRunner, composable_with_humming, compose_with_humming  # noqa: E402
+from vllm_wna16_plugin.launch_plan import LayerRunner  # noqa: E402
 from vllm_wna16_plugin.ops import make_problem  # noqa: E402
 from vllm_wna16_plugin.oracle import select_backend  # noqa: E402
 from vllm_wna16_plugin.reference import fused_moe_ref  # noqa: E402
@@ -250,9 +251,10 @@ class NotApplicable(Exception):
 # Peers that run through the plugin's delegating backend (the same kernels and preparation vLLM runs):
 # vLLM's Marlin MoE, and Humming, vLLM 0.33-0.34's default for WNA16 MoE on sm90 (humming-kernels 0.1.19+).
 DELEGATED = {"vllm-marlin": "marlin", "vllm-humming": "humming"}
-# plugin-auto-composed: auto composed with Humming (launch_plan.compose_with_humming), as a layer loaded on a
-# vLLM with humming-kernels runs it when its second copy fits the device's memory
-COMPOSED = "auto-composed"
+# plugin-auto-composed: auto composed with Humming (compose.py), as a layer loaded on a vLLM with humming-kernels
+# runs it when its second copy fits the device's memory; plugin-auto-marlin: composed with Marlin, as on a vLLM
+# without Humming (0.26-0.32)
+COMPOSED = {"auto-composed": "humming", "auto-marlin": "marlin"}
 
 
 def layer_problem(x, w: Weights, topk_ids, gs: int, *, bits: int = 4, gs_w2: int | None = None) -> MoEProblem:
@@ -276,16 +278,16 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4
         name = "triton"
     problem = layer_problem(x, w, topk_ids, gs, bits=bits, gs_w2=gs_w2)
     problem = dataclasses.replace(problem, options=RunOptions(kernel=provider_options(prov)), has_g_idx=act_order)
-    composed = name == COMPOSED
-    name = "auto" if composed else name
+    partner = COMPOSED.get(name)
+    name = "auto" if partner else name
     try:  # each provider but auto is asked for by name; auto is the oracle's pick with the shipped crossover
         selection = select_backend(problem, name, "provider")
     except ValueError as exc:
         raise NotApplicable(f"{name} rejects: {exc}") from None
-    if composed:  # what a layer loaded under auto runs where Humming is installed and memory allows
-        if reason := composable_with_humming(selection):
-            raise NotApplicable(f"not composed with Humming: {reason}")
-        selection = compose_with_humming(selection)
+    if partner:  # what a layer loaded under auto runs where that partner is vLLM's and memory allows
+        if reason := composable_with(selection, partner):
+            raise NotApplicable(f"not composed with {partner}: {reason}")
+        selection = compose_with(selection, partner)
     return LayerRunner(selection, KernelTensors(w.q13, w.q2, w.scales13, w.scales2, w13_g_idx=w.g13, w2_g_idx=w.g2))
 
 

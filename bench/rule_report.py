@@ -4,7 +4,9 @@
 
 For every catalog shape of the CSVs (names like "Qwen3-30B-A3B@tp4", bench/model_catalog.py), each batch size:
 
-- speed-up of `plugin-auto` over vLLM's Marlin MoE and over Humming (peer time / auto time; > 1: faster);
+- speed-up of `plugin-auto` over vLLM's Marlin MoE and over Humming (peer time / auto time; > 1: faster), and
+  of auto composed with Humming (vLLM 0.33-0.34) or with Marlin (0.26-0.32; compose.py), each from the run's
+  columns as its rule picks them;
 - auto against the plugin's best fixed kernel of the same run (min of plugin-triton-auto and plugin-cuda):
   auto / best, the target being at most 1.10;
 - the cuda shape rule's decision (backends/cuda.rule_takes) against the faster of triton and cuda, and
@@ -35,6 +37,7 @@ from model_shapes import Shape, model_moe_shape  # noqa: E402
 
 TRITON, CUDA, AUTO, HUMMING = "plugin-triton-auto", "plugin-cuda", "plugin-auto", "vllm-humming"
 COMPOSED = "auto+humming"
+WITH_MARLIN = "auto+marlin"
 PEERS = ("vllm-marlin", "vllm-humming")
 TP_SIZES = (1, 2, 4, 8)
 
@@ -83,6 +86,7 @@ class Point:
     rule_cuda: bool | None  # the shape rule's decision (None: the rule does not decide this M)
     plan_backend: str | None
     humming: bool = False  # the Humming rule's decision (backends/humming.humming_takes)
+    marlin: bool = False  # the Marlin rule's decision (backends/marlin.marlin_takes)
 
     @property
     def best_fixed(self) -> float | None:
@@ -91,12 +95,18 @@ class Point:
 
     @property
     def composed(self) -> float | None:
-        """auto composed with Humming (RunOptions.compose_humming), from the run's columns: Humming's
-        time where the rule takes it, else plugin-auto's."""
+        """auto composed with Humming (compose.py), from the run's columns: Humming's time where the rule
+        takes it, else plugin-auto's."""
         return self.times.get(HUMMING) if self.humming else self.times.get(AUTO)
 
+    @property
+    def with_marlin(self) -> float | None:
+        """auto composed with Marlin (compose.py, a vLLM without Humming), from the run's columns: Marlin's
+        time where its rule takes it, else plugin-auto's."""
+        return self.times.get("vllm-marlin") if self.marlin else self.times.get(AUTO)
+
     def speedup(self, peer: str, of: str = AUTO) -> float | None:
-        mine = self.composed if of == COMPOSED else self.times.get(of)
+        mine = {COMPOSED: self.composed, WITH_MARLIN: self.with_marlin}.get(of) or self.times.get(of)
         if peer in self.times and mine:
             return self.times[peer] / mine
         return None
@@ -115,6 +125,7 @@ def points(times, shapes) -> list[Point]:
     from vllm_wna16_plugin import launch_plan
     from vllm_wna16_plugin.backends.cuda import RULE_MAX_M, RULE_MIN_M, rule_takes
     from vllm_wna16_plugin.backends.humming import humming_takes
+    from vllm_wna16_plugin.backends.marlin import marlin_takes
     from vllm_wna16_plugin.kernels.options import PLAN_DEVICES
 
     h200 = PLAN_DEVICES["sm90"]
@@ -129,7 +140,8 @@ def points(times, shapes) -> list[Point]:
             backend = launch_plan.plan(problem, m, h200).backend
         except ValueError:
             backend = None
-        out.append(Point(split, shape, m, t, rule, backend, humming_takes(problem, m, h200)))
+        out.append(Point(split, shape, m, t, rule, backend, humming_takes(problem, m, h200),
+                         marlin_takes(problem, m, h200)))  # fmt: skip
     return sorted(out, key=lambda p: (p.split != "dev", p.shape, p.m))
 
 
@@ -144,8 +156,8 @@ def fmt(v, spec=".2f") -> str:
 
 def report(pts: list[Point]) -> str:
     lines = ["| set | shape | M | auto µs | triton | cuda | plan | × Marlin | × Humming | auto / best "
-             "| composed: runs | × Marlin | × Humming |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| composed: runs | × Marlin | × Humming | with Marlin: runs | × Marlin |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for p in pts:
         best = p.best_fixed
         lines.append(
@@ -153,13 +165,14 @@ def report(pts: list[Point]) -> str:
             f"| {fmt(p.times.get(CUDA), '.1f')} | {p.plan_backend or '-'} | {fmt(p.speedup('vllm-marlin'))} "
             f"| {fmt(p.speedup('vllm-humming'))} | {fmt(p.times[AUTO] / best if best and AUTO in p.times else None)} "
             f"| {'humming' if p.humming else 'plugin'} | {fmt(p.speedup('vllm-marlin', COMPOSED))} "
-            f"| {fmt(p.speedup('vllm-humming', COMPOSED))} |"
+            f"| {fmt(p.speedup('vllm-humming', COMPOSED))} | {'marlin' if p.marlin else 'plugin'} "
+            f"| {fmt(p.speedup('vllm-marlin', WITH_MARLIN))} |"
         )
     lines += ["", "| set | check | result |", "|---|---|---|"]
     for split in sorted({p.split for p in pts}):
         sp = [p for p in pts if p.split == split]
-        for of in (AUTO, COMPOSED):
-            for peer in PEERS:
+        for of in (AUTO, COMPOSED, WITH_MARLIN):
+            for peer in PEERS if of != WITH_MARLIN else ("vllm-marlin",):
                 low = [p for p in sp if p.m <= 16]
                 lines.append(f"| {split} | {of}: geomean × {peer}, M <= 16 (target >= 1.2) "
                              f"| {fmt(geomean(p.speedup(peer, of) for p in low))} |")  # fmt: skip

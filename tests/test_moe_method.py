@@ -366,21 +366,26 @@ class _FakeHumming:
         return torch.full((x.shape[0], problem.hidden), 7.0, dtype=x.dtype)
 
 
+@pytest.mark.parametrize("partner", ["humming", "marlin"])
 @pytest.mark.parametrize("fail", [False, True])
-def test_a_composed_layer_hands_large_batches_to_humming_or_falls_back(vllm_cpu, monkeypatch, caplog, fail):
-    """The load-time wiring of auto + Humming (moe_method._compose, _build_runner) on CPU: the layer's own
-    backend stands in for the plugin's kernels, a fake for Humming, which the rule gives M >= 4. Memory
-    allows the copy; a Humming that cannot be prepared leaves the plugin's kernels at every M, with a warning."""
+def test_a_composed_layer_hands_large_batches_to_its_partner_or_falls_back(vllm_cpu, monkeypatch, caplog, fail,
+                                                                          partner):  # fmt: skip
+    """The load-time wiring of auto + a vLLM kernel (compose.py; moe_method._compose, _build_runner) on CPU: the
+    layer's own backend stands in for the plugin's kernels, a fake for Humming or Marlin, which the rule gives
+    M >= 4. Memory allows the copy; a partner that cannot be prepared leaves the plugin's kernels at every M,
+    with a warning."""
+    import dataclasses
     import logging
 
-    from vllm_wna16_plugin import launch_plan, moe_method
-    from vllm_wna16_plugin.backends import humming, registry
+    from vllm_wna16_plugin import compose, launch_plan
+    from vllm_wna16_plugin.backends import registry
 
     fake = _FakeHumming(fail)
-    monkeypatch.setattr(moe_method, "composable_with_humming", lambda selection: None)
-    monkeypatch.setattr(launch_plan, "registry", lambda: {**registry(), "humming": fake})
+    chosen = dataclasses.replace(compose.partner_named(partner), takes=lambda problem, m, device: m >= 4)
+    monkeypatch.setattr(compose, "partners", lambda: (chosen,))
+    monkeypatch.setattr(compose, "composable_with", lambda selection, name: None)
+    monkeypatch.setattr(launch_plan, "registry", lambda: {**registry(), partner: fake})
     monkeypatch.setattr(launch_plan, "COMPOSABLE", (*launch_plan.COMPOSABLE, "reference"))
-    monkeypatch.setattr(humming, "humming_takes", lambda problem, m, device: m >= 4)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 139 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2**30)
     q13, q2 = _random_experts(4, 32, True, seed=17)
@@ -398,14 +403,15 @@ def test_a_composed_layer_hands_large_batches_to_humming_or_falls_back(vllm_cpu,
         out = _forward(layer, *large)
     text = caplog.text
     if fail:
-        assert "Humming could not be prepared (RuntimeError: nvrtc: compile failed)" in text
+        assert f"{chosen.label} could not be prepared (RuntimeError: nvrtc: compile failed)" in text
         ref = fused_moe_ref(large[0], packing.dequantize(q13), packing.dequantize(q2), *large[1:])
         _assert_close(out, ref, "M=6 after the fallback")
-        assert not layer.quant_method.problem.options.compose_humming
+        assert layer.quant_method.problem.options.compose_with is None
     else:
-        assert "second copy of its experts in Humming's layout" in text and fake.prepared == 1
-        assert bool((out == 7).all()), "M=6 did not run on Humming"
-        assert layer.quant_method.runner.plan(6).backend == "humming"
+        assert f"second copy of its experts in {chosen.label}'s layout" in text and fake.prepared == 1
+        assert chosen.env in text
+        assert bool((out == 7).all()), f"M=6 did not run on {chosen.label}"
+        assert layer.quant_method.runner.plan(6).backend == partner
 
 
 @pytest.mark.interpreter

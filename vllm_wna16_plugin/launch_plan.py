@@ -6,7 +6,8 @@ A pure function of the layer (MoEProblem: scheme, shapes, options), the batch si
 (kernels.options.DeviceSpec): no tensors and no GPU, so `vllm-wna16 doctor` prints it for a model
 on any machine and a CPU test sweeps it over real models' shapes. It composes the backends: the
 layer's backend is the oracle's (oracle.select_backend); under `auto` a `cuda` layer runs the batch
-sizes inside its measured crossover (crossover.py) on the CUDA kernel and the others on Triton. The
+sizes inside its measured crossover (crossover.py) on the CUDA kernel and the others on Triton, and a
+layer composed with a vLLM kernel (compose.py) hands that kernel the batches its rule takes. The
 kernel-level launch (configs.TritonLaunch or cuda_ops.CudaLaunch) is what the launcher runs: the
 same functions choose it whether a plan asks or the launcher does, so what doctor prints is what
 runs. Each GEMM row says where its numbers came from (a tuned file and its M, or a heuristic).
@@ -28,6 +29,7 @@ import torch
 from vllm_wna16_plugin import crossover
 from vllm_wna16_plugin.backends import Backend, KernelTensors, MoEProblem, registry
 from vllm_wna16_plugin.backends.base import layer_device, sort_act_order
+from vllm_wna16_plugin.compose import COMPOSABLE, partner_named
 from vllm_wna16_plugin.kernels.options import DeviceSpec
 from vllm_wna16_plugin.oracle import Selection, select_backend
 from vllm_wna16_plugin.user_tables import configs_dir
@@ -203,14 +205,13 @@ def _plan(problem: MoEProblem, num_tokens: int, device: DeviceSpec, layer_backen
     budget)."""
     why = [f"layer backend {layer_backend!r} ({asked})"]
     runs = layer_backend
-    if problem.options.compose_humming and layer_backend in COMPOSABLE and not problem.options.explicit:
-        from vllm_wna16_plugin.backends.humming import HUMMING_RULE_SOURCE, experts_read, humming_takes
-
-        read = experts_read(problem, num_tokens) / 1e6
-        if humming_takes(problem, num_tokens, device):
-            why.append(f"M={num_tokens} reads about {read:.0f} MB of expert weights: Humming's ({HUMMING_RULE_SOURCE})")
-            return LaunchPlan(num_tokens, "humming", layer_backend, device, why=tuple(why))
-        why.append(f"M={num_tokens} reads about {read:.0f} MB of expert weights: the plugin's ({HUMMING_RULE_SOURCE})")
+    partner = problem.options.compose_with
+    if partner and layer_backend in COMPOSABLE and not problem.options.explicit:
+        p = partner_named(partner)
+        taken = p.takes(problem, num_tokens, device)
+        why.append(p.why(problem, num_tokens, taken))
+        if taken:
+            return LaunchPlan(num_tokens, partner, layer_backend, device, why=tuple(why))
     if layer_backend == "cuda" and not problem.options.explicit:
         from vllm_wna16_plugin.backends.cuda import layer_ranges
 
@@ -230,46 +231,13 @@ def _plan(problem: MoEProblem, num_tokens: int, device: DeviceSpec, layer_backen
 
 
 def plan_backends(selection: Selection) -> tuple[str, ...]:
-    """The backends a layer's plans can name: its own, triton for a `cuda` layer under auto, and humming
-    for a layer composed with it (compose_with_humming)."""
+    """The backends a layer's plans can name: its own, triton for a `cuda` layer under auto, and the vLLM
+    kernel it is composed with (compose.py)."""
     name, options = selection.backend.name, selection.problem.options
     names = ("cuda", "triton") if name == "cuda" and not options.explicit else (name,)
-    if options.compose_humming and name in COMPOSABLE and not options.explicit:
-        names += ("humming",)
+    if options.compose_with and name in COMPOSABLE and not options.explicit:
+        names += (options.compose_with,)
     return names
-
-
-# auto's layers that can hand batches to Humming: those the plugin's own kernels run
-COMPOSABLE = ("cuda", "triton")
-
-
-def composable_with_humming(selection: Selection) -> str | None:
-    """Why auto cannot compose this layer with Humming, or None when it can: an auto cuda / triton layer
-    that Humming also runs (its verdict in the selection) and that the Humming rule speaks for on the
-    layer's device (backends/humming.humming_rule_applies), taking at least one batch size."""
-    from vllm_wna16_plugin.backends.humming import humming_rule_applies, humming_takes
-
-    problem = selection.problem
-    if selection.requested != "auto":
-        return f"the layer runs {selection.backend.name!r} as asked ({selection.source})"
-    if selection.backend.name not in COMPOSABLE:
-        return f"auto runs it on {selection.backend.name!r}, not on the plugin's kernels"
-    verdict = next((v for v in selection.verdicts if v.backend == "humming"), None)
-    if verdict is None or not verdict.ok:
-        return f"Humming cannot run it ({verdict.reason if verdict else 'not registered'})"
-    device = layer_device(problem)
-    if reason := humming_rule_applies(problem, device):
-        return f"the Humming rule does not speak for it: {reason}"
-    if not any(humming_takes(problem, m, device) for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)):
-        return "Humming would take none of its batch sizes"
-    return None
-
-
-def compose_with_humming(selection: Selection) -> Selection:
-    """The selection with RunOptions.compose_humming set (callers check composable_with_humming first)."""
-    problem = selection.problem
-    composed = dataclasses.replace(problem, options=dataclasses.replace(problem.options, compose_humming=True))
-    return dataclasses.replace(selection, problem=composed)
 
 
 class _OpaqueState(Exception):
@@ -377,8 +345,6 @@ __all__ = [
     "GemmPlan",
     "LaunchPlan",
     "LayerRunner",
-    "composable_with_humming",
-    "compose_with_humming",
     "plan",
     "plan_backends",
 ]

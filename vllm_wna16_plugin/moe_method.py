@@ -16,12 +16,12 @@ import dataclasses
 
 import torch
 
-from vllm_wna16_plugin import _vllm
+from vllm_wna16_plugin import _vllm, compose
 from vllm_wna16_plugin.activation import check_expert_math
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem
 from vllm_wna16_plugin.backends.base import act_order_issue, act_order_padded, act_order_split_issue
 from vllm_wna16_plugin.checkpoint_config import effective_group_size
-from vllm_wna16_plugin.launch_plan import LayerRunner, composable_with_humming, compose_with_humming
+from vllm_wna16_plugin.launch_plan import LayerRunner
 from vllm_wna16_plugin.oracle import resolve_request, select_backend
 from vllm_wna16_plugin.packing import check_packable
 from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
@@ -302,54 +302,56 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             self.processed = True
 
         def _compose(self, layer) -> None:
-            """Under auto, let Humming (vLLM 0.33-0.34's default, where installed) take the batch sizes it runs
-            faster (backends/humming.py's rule) when the layer's second copy fits (compose_decision)."""
+            """Under auto, let vLLM's own kernel for the layer (compose.py: Humming where installed, else Marlin)
+            take the batch sizes its rule says it runs faster, when the layer's second copy fits
+            (compose.compose_decision)."""
             import os
 
-            from vllm_wna16_plugin.backends.humming import ENV_COMPOSE, compose_decision, humming_copy_bytes
-
-            if self.selection.problem.options.compose_humming or composable_with_humming(self.selection):
+            if self.selection.problem.options.compose_with:
+                return
+            partner, _ = compose.partner(self.selection)
+            if partner is None:
                 return
             device = self.tensors.w13_qweight.device
-            copy = humming_copy_bytes(self.problem)
+            copy = partner.copy_bytes(self.problem)
             free, total = torch.cuda.mem_get_info(device)
             used = torch.cuda.memory_reserved(device)
-            compose, why = compose_decision(
-                os.environ.get(ENV_COMPOSE), copy, used, free, total,
-                getattr(self, "memory_utilization", _vllm.DEFAULT_GPU_MEMORY_UTILIZATION),
+            composed, why = compose.compose_decision(
+                os.environ.get(partner.env), copy, used, free, total,
+                getattr(self, "memory_utilization", _vllm.DEFAULT_GPU_MEMORY_UTILIZATION), partner.env,
             )  # fmt: skip
-            key = f"compose|{self.problem.describe()}|{compose}"
+            key = f"compose|{partner.backend}|{self.problem.describe()}|{composed}"
             if key not in _LOGGED:
                 _LOGGED.add(key)
-                if compose:
+                if composed:
                     logger.info(
-                        "moe_wna16_plus: %s: batches that read more expert weights than the plugin's kernels "
-                        "stream fastest run on Humming (vLLM's default here); the layer keeps a second copy of its "
-                        "experts in Humming's layout (%.2f GiB; %s). %s=0 keeps one copy.",
-                        self.prefix, copy / 2**30, why, ENV_COMPOSE,
+                        "moe_wna16_plus: %s: the batch sizes %s runs faster (its rule in the plugin) run on %s "
+                        "(vLLM's default here); the layer keeps a second copy of its experts in %s's layout "
+                        "(%.2f GiB; %s). %s=0 keeps one copy.",
+                        self.prefix, partner.label, partner.label, partner.label, copy / 2**30, why, partner.env,
                     )  # fmt: skip
                 else:
-                    logger.info("moe_wna16_plus: %s: not composed with Humming (%s)", self.prefix, why)
-            if compose:
-                self.selection = compose_with_humming(self.selection)
+                    logger.info("moe_wna16_plus: %s: not composed with %s (%s)", self.prefix, partner.label, why)
+            if composed:
+                self.selection = compose.compose_with(self.selection, partner.backend)
                 self.problem = self.selection.problem
 
         def _build_runner(self) -> LayerRunner:
-            """The layer's runner; a composed layer whose Humming half cannot be prepared (a compile or memory
-            failure in humming-kernels) falls back to the plugin's kernels alone, with a warning."""
+            """The layer's runner; a composed layer whose partner cannot be prepared (a compile or memory failure
+            in humming-kernels, say) falls back to the plugin's kernels alone, with a warning."""
             try:
                 return LayerRunner(self.selection, self.tensors)
-            except Exception as exc:  # noqa: BLE001 - Humming's prepare is not ours to trust at load
-                if not self.selection.problem.options.compose_humming:
+            except Exception as exc:  # noqa: BLE001 - a partner's prepare is not ours to trust at load
+                name = self.selection.problem.options.compose_with
+                if not name:
                     raise
                 logger.warning(
-                    "moe_wna16_plus: %s: Humming could not be prepared (%s: %s); the layer runs the plugin's "
-                    "kernels at every batch size", self.prefix, type(exc).__name__, exc,
+                    "moe_wna16_plus: %s: %s could not be prepared (%s: %s); the layer runs the plugin's "
+                    "kernels at every batch size", self.prefix, compose.partner_named(name).label,
+                    type(exc).__name__, exc,
                 )  # fmt: skip
                 problem = self.selection.problem
-                plain = dataclasses.replace(
-                    problem, options=dataclasses.replace(problem.options, compose_humming=False)
-                )
+                plain = dataclasses.replace(problem, options=dataclasses.replace(problem.options, compose_with=None))
                 self.selection = dataclasses.replace(self.selection, problem=plain)
                 self.problem = plain
                 return LayerRunner(self.selection, self.tensors)
@@ -402,12 +404,11 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
         def _select(self, layer) -> None:
             import os
 
-            from vllm_wna16_plugin.backends.humming import ENV_COMPOSE, compose_setting
             from vllm_wna16_plugin.kernels.triton.td_gate import td_request_from_env
             from vllm_wna16_plugin.user_tables import use_tuned
 
             # the plugin's variables: a bad value is refused before any weight is read, not at the first forward
-            compose_setting(os.environ.get(ENV_COMPOSE))
+            compose.check_settings(os.environ)
             td_request_from_env()
             use_tuned()
             if not hasattr(self, "memory_utilization"):  # read in create_weights, inside the engine's config

@@ -1,5 +1,5 @@
 """The rule by which `auto` hands a batch to Humming on a layer composed with it (backends/humming.py), the
-memory decision, and the plans of a composed layer (launch_plan.compose_with_humming).
+memory decision, and the plans of a layer composed with it (compose.py).
 
 Checked against the H200 measurements of bench/model_catalog.py's development set (which it was fitted on)
 and of its validation set (which it was not): for every (shape, M), the rule's choice between plugin-auto and
@@ -16,18 +16,12 @@ from pathlib import Path
 import pytest
 
 from vllm_wna16_plugin.backends import MoEProblem, RunOptions
-from vllm_wna16_plugin.backends.humming import (
-    COMPOSE_MAX_BUDGET_SHARE,
-    ENV_COMPOSE,
-    compose_decision,
-    compose_setting,
-    experts_read,
-    humming_copy_bytes,
-    humming_rule_applies,
-    humming_takes,
-)
+from vllm_wna16_plugin.backends.base import experts_read
+from vllm_wna16_plugin.backends.humming import ENV_COMPOSE, humming_copy_bytes, humming_rule_applies, humming_takes
+from vllm_wna16_plugin.compose import COMPOSE_MAX_BUDGET_SHARE, compose_decision, compose_setting, compose_with
+from vllm_wna16_plugin.compose import composable_with as _composable_with
 from vllm_wna16_plugin.kernels.options import PLAN_DEVICES
-from vllm_wna16_plugin.launch_plan import composable_with_humming, compose_with_humming, plan, plan_backends
+from vllm_wna16_plugin.launch_plan import plan, plan_backends
 from vllm_wna16_plugin.oracle import select_backend
 from vllm_wna16_plugin.scheme import CHANNELWISE, PackFormat, WNA16Scheme
 
@@ -120,7 +114,7 @@ GIB = 2**30
     ],
 )
 def test_compose_decision(setting, copy, used, free, util, compose):
-    got, why = compose_decision(setting, copy, used, free, 139 * GIB, util)
+    got, why = compose_decision(setting, copy, used, free, 139 * GIB, util, ENV_COMPOSE)
     assert COMPOSE_MAX_BUDGET_SHARE == 0.5
     assert got == compose and why
     if setting in ("auto", None) and not got:
@@ -129,8 +123,8 @@ def test_compose_decision(setting, copy, used, free, util, compose):
 
 def test_a_bad_setting_is_refused_naming_the_variable():
     with pytest.raises(ValueError, match=f"{ENV_COMPOSE}='maybe'.*auto.*1.*0"):
-        compose_decision("maybe", 1, 1, 2, 3, 0.9)
-    assert compose_setting(" ON ") == "on" and compose_setting(None) == "auto"
+        compose_decision("maybe", 1, 1, 2, 3, 0.9, ENV_COMPOSE)
+    assert compose_setting(" ON ", ENV_COMPOSE) == "on" and compose_setting(None, ENV_COMPOSE) == "auto"
 
 
 def test_expert_parallel_ranks_read_their_share_of_the_routed_pairs():
@@ -153,7 +147,7 @@ def test_the_copy_is_counted_with_humming_padding():
 def test_a_composed_layer_plans_humming_where_the_rule_takes_it_and_its_own_kernels_elsewhere():
     selection = select_backend(problem_of(128, 8, 2048, 768))  # Qwen3-30B-A3B
     assert selection.backend.name == "cuda" and composable_with_humming(selection) is None
-    composed = compose_with_humming(selection)
+    composed = compose_with(selection, "humming")
     assert plan_backends(composed) == ("cuda", "triton", "humming")
     assert plan_backends(selection) == ("cuda", "triton")  # not composed: one copy, the plugin's kernels
     small, large = (
@@ -162,8 +156,12 @@ def test_a_composed_layer_plans_humming_where_the_rule_takes_it_and_its_own_kern
     )
     assert small.backend in ("cuda", "triton") and small.launch is not None
     assert large.backend == "humming" and large.launch is None
-    assert any("MB of expert weights" in w and "Humming rule" in w for w in large.why)
+    assert any("MB of expert weights" in w and "Humming's (Humming rule" in w for w in large.why)
     assert plan(selection.problem, 64, H200, selection=selection).backend == "cuda"
+
+
+def composable_with_humming(selection):
+    return _composable_with(selection, "humming")
 
 
 def test_what_is_never_composed_says_why():

@@ -23,14 +23,15 @@ class RunOptions:
     (doctor, a test's sm90 problem), not this machine: no imports or extension checks. device_name: the
     GPU whose crossover table applies (a plan names one; else this machine's). kernel: the kernels'
     switches (kernels.options.KernelOptions: tensor descriptors, int4 dot forms, CUDA kernel forms).
-    compose_humming: auto's cuda / triton layer also holds Humming's copy of its weights and hands it the
-    batches backends/humming.humming_takes gives it (launch_plan.compose_with_humming sets it)."""
+    compose_with: the vLLM backend ("humming" or "marlin") that auto's cuda / triton layer also holds a copy of
+    its weights for and hands the batches that backend's rule gives it (compose.py; compose.compose_with sets it).
+    None: the plugin's kernels run every batch."""
 
     explicit: bool = False
     plan_only: bool = False
     device_name: str | None = None
     kernel: KernelOptions = DEFAULT_OPTIONS
-    compose_humming: bool = False
+    compose_with: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,34 @@ def half_precision_reason(problem: MoEProblem) -> str | None:
         f"activations are {str(problem.act_dtype).removeprefix('torch.')}; this kernel takes bfloat16 or float16 "
         "(--dtype bfloat16)"
     )
+
+
+def expert_bytes(problem: MoEProblem) -> float:
+    """Bytes of one expert's weights and bf16 scales (both GEMMs) on this rank."""
+    h, i, bits = problem.hidden, problem.intermediate, problem.scheme.bits
+    return 3 * h * i * bits / 8 + (2 * i * (h // problem.group_size_w13) + h * (i // problem.group_size_w2)) * 2
+
+
+def experts_hit(problem: MoEProblem, m: int) -> float:
+    """Local experts that m * top_k pairs routed uniformly over the global experts hit (expected value):
+
+        hit = E_loc * (1 - (1 - 1/E_glob) ** (m * top_k))
+
+    (expert parallelism: the global experts not on this rank are another rank's)."""
+    e_loc, e_glob = problem.num_experts, max(problem.global_num_experts, problem.num_experts)
+    return e_loc * (1.0 - (1.0 - 1.0 / e_glob) ** (m * problem.top_k)) if e_glob > 1 else 1.0
+
+
+def experts_read(problem: MoEProblem, m: int) -> float:
+    """Bytes of expert weights a call of m tokens reads on this rank: experts_hit * expert_bytes."""
+    return experts_hit(problem, m) * expert_bytes(problem)
+
+
+def pairs_per_expert(problem: MoEProblem, m: int) -> float:
+    """Routed (token, expert) pairs per local expert hit: the rows each hit expert's GEMMs take, on average
+    (m * top_k * E_loc / E_glob of the pairs land on this rank)."""
+    e_loc, e_glob = problem.num_experts, max(problem.global_num_experts, problem.num_experts)
+    return m * problem.top_k * e_loc / e_glob / max(experts_hit(problem, m), 1e-9)
 
 
 def layer_device(problem: MoEProblem) -> DeviceSpec:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from vllm_wna16_plugin import _vllm
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, half_precision_reason
+from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, experts_read, half_precision_reason
 
 logger = _vllm.init_logger(__name__)
 
@@ -287,24 +287,6 @@ HUMMING_MIN_BYTES = 20e6
 HUMMING_M1_BAR_UP_TO = 2
 HUMMING_RULE_SOURCE = "Humming rule (backends/humming.py; H200 dev set 2026-12-05-c410069-dev, validated on -val4)"
 ENV_COMPOSE = "VLLM_WNA16_PLUS_HUMMING"  # auto (default): compose while memory allows; 1: always; 0: never
-# auto composes a layer only while this process's memory, with the layer's second copy, stays within this
-# share of what vLLM may use (gpu_memory_utilization x the device's memory): vLLM sizes its KV cache from
-# the rest after loading, and the copies count as weights there
-COMPOSE_MAX_BUDGET_SHARE = 0.5
-
-
-def expert_bytes(problem: MoEProblem) -> float:
-    """Bytes of one expert's weights and bf16 scales (both GEMMs) on this rank."""
-    h, i, bits = problem.hidden, problem.intermediate, problem.scheme.bits
-    return 3 * h * i * bits / 8 + (2 * i * (h // problem.group_size_w13) + h * (i // problem.group_size_w2)) * 2
-
-
-def experts_read(problem: MoEProblem, m: int) -> float:
-    """Bytes of expert weights a call of m tokens reads on this rank: the local experts hit by m * top_k pairs
-    routed uniformly over the global experts (expert parallelism: the others are another rank's)."""
-    e_loc, e_glob = problem.num_experts, max(problem.global_num_experts, problem.num_experts)
-    hit = e_loc * (1.0 - (1.0 - 1.0 / e_glob) ** (m * problem.top_k)) if e_glob > 1 else 1.0
-    return hit * expert_bytes(problem)
 
 
 def humming_copy_bytes(problem: MoEProblem) -> int:
@@ -342,39 +324,6 @@ def humming_takes(problem: MoEProblem, m: int, device) -> bool:
     if humming_rule_applies(problem, device):
         return False
     return experts_read(problem, m) > (HUMMING_M1_MIN_BYTES if m <= HUMMING_M1_BAR_UP_TO else HUMMING_MIN_BYTES)
-
-
-def compose_setting(value: str | None) -> str:
-    """ENV_COMPOSE's value as "auto", "on" or "off"; ValueError naming the variable for anything else."""
-    v = (value or "auto").strip().lower()
-    if v in ("0", "off", "false", "no"):
-        return "off"
-    if v in ("1", "on", "true", "yes"):
-        return "on"
-    if v != "auto":
-        raise ValueError(f"{ENV_COMPOSE}={value!r}: use auto (compose while memory allows), 1 (always) or 0 (never)")
-    return "auto"
-
-
-def compose_decision(
-    setting: str | None, copy_bytes: int, used_bytes: int, free_bytes: int, total_bytes: int, utilization: float
-) -> tuple[bool, str]:
-    """(compose, why) for one layer: ENV_COMPOSE's value (compose_setting), the bytes of its second copy
-    (humming_copy_bytes), this process's device memory now, the device's free and total memory, and the
-    share vLLM may use (gpu_memory_utilization)."""
-    mode = compose_setting(setting)
-    if mode != "auto":
-        return mode == "on", f"{ENV_COMPOSE}={setting}"
-    gib = 2**30
-    cap = COMPOSE_MAX_BUDGET_SHARE * utilization * total_bytes
-    if copy_bytes <= free_bytes and used_bytes + copy_bytes <= cap:
-        return True, (f"this process's {(used_bytes + copy_bytes) / gib:.1f} GiB with it stay within half of vLLM's "
-                      f"{utilization * total_bytes / gib:.1f} GiB")  # fmt: skip
-    return False, (
-        f"memory: this process's {(used_bytes + copy_bytes) / gib:.1f} GiB with the copy would pass half of vLLM's "
-        f"{utilization * total_bytes / gib:.1f} GiB (gpu_memory_utilization {utilization:g}; {ENV_COMPOSE}=1 composes "
-        f"anyway)"
-    )
 
 
 class HummingBackend(Backend):

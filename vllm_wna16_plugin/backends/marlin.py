@@ -7,10 +7,86 @@ whatever the checkpoint wrote (None or -1).
 
 from __future__ import annotations
 
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, half_precision_reason
+from vllm_wna16_plugin.backends.base import (
+    Backend,
+    KernelTensors,
+    MoEProblem,
+    experts_read,
+    half_precision_reason,
+    pairs_per_expert,
+)
 from vllm_wna16_plugin.packing import KernelWeights, from_kernel_layout, pack_along
 
 MARLIN_GROUP_SIZES = (32, 64, 128)
+
+# ---------------------------------------------------------------- composing auto with Marlin
+
+# Where `auto` hands a batch to Marlin (vLLM 0.26-0.32's default for WNA16 MoE) on a layer the plugin's kernels
+# also run, where Humming is not installed (compose.py; the layer then holds a second copy of its experts in
+# Marlin's layout). Fitted on the development set of bench/model_catalog.py (8 models at TP 1 and 4, H200, vLLM
+# 0.34.0: bench/results/h200/2026-12-05-c410069-dev.md at M 1/4/16/64/256, and 2026-12-06-3038a96-mid.md at
+# M 64-512 for the Triton layer): Marlin's tensor-core tiles win once each hit expert takes enough rows and the
+# call reads enough weights to fill the GPU, while the plugin's decode kernels win at few rows per expert and its
+# prefill tiles from about 512 tokens. Marlin's time over the plugin's (auto), on the dev set:
+#     rows per hit expert < 8 (M <= 16 everywhere, M=64 on the 64-128-expert models): 0.90-1.11 (the plugin's)
+#          but for the largest reads: >= 4 rows and >= 600 MB read, 0.96-0.99 on all three points (GLM-4.5-Air
+#          and Qwen3-235B-A22B at TP 1, M=64; Mixtral-8x7B at TP 1, M=16): Marlin's
+#     >= 8 rows and >= 100 MB read: 0.59-0.93 on all 16 points (Marlin faster)
+#     >= 16 rows and 40-100 MB: 0.85 and 0.99 (OLMoE-1B-7B and Qwen3-30B-A3B at TP 4, M=256)
+#     8 rows, 52 MB (OLMoE-1B-7B at TP 4, M=64): 1.15 (the plugin's)
+#     M=512 (Triton layer): 1.06-1.17 on four of five dev shapes (0.91 on Qwen3-235B-A22B at TP 4): the plugin's
+# Checked on the validation set (never fitted on): bench/rule_report.py over -val4 / -mid and the composed run.
+# Measured for int4, symmetric, groups 32-128 on sm90 only: elsewhere auto never composes with Marlin.
+MARLIN_MIN_ROWS = 8  # rows per hit expert (base.pairs_per_expert) ...
+MARLIN_MIN_BYTES = 100e6  # ... with this much of the experts read (base.experts_read)
+MARLIN_MIN_ROWS_SMALL = 16  # or, for smaller reads, this many rows ...
+MARLIN_MIN_BYTES_SMALL = 40e6  # ... and this much read
+MARLIN_MIN_ROWS_LARGE = 4  # or, for the largest reads, this many rows ...
+MARLIN_MIN_BYTES_LARGE = 600e6  # ... and this much read
+MARLIN_MAX_TOKENS = 256  # the dev set's last point where Marlin led; the plugin's from 512
+MARLIN_RULE_SOURCE = "Marlin rule (backends/marlin.py; H200 dev set 2026-12-05-c410069-dev and 2026-12-06-3038a96-mid)"
+ENV_COMPOSE = "VLLM_WNA16_PLUS_MARLIN"  # auto (default): compose while memory allows; 1: always; 0: never
+
+
+def marlin_copy_bytes(problem: MoEProblem) -> int:
+    """Bytes of Marlin's copy of a layer (MarlinBackend.prepare): the weights at the same bits, the scales in
+    the activation dtype and the zero points, for both GEMMs, plus its workspace (a few KB)."""
+    e, h, i, bits = problem.num_experts, problem.hidden, problem.intermediate, problem.scheme.bits
+    total = 0
+    for n, k, gs in ((2 * i, h, problem.group_size_w13), (h, i, problem.group_size_w2)):
+        groups = k // gs
+        total += n * k * bits // 8 + n * groups * 2 + (n * groups * bits // 8 if problem.scheme.has_zero_point else 0)
+    return e * total
+
+
+def marlin_rule_applies(problem: MoEProblem, device) -> str | None:
+    """Why the Marlin rule does not speak for this layer on `device` (None: it does)."""
+    if device.platform != "cuda" or device.sm != 90:
+        return f"measured on sm90 only (device is {device.platform} sm{device.sm})"
+    scheme = problem.scheme
+    if scheme.bits != 4 or scheme.has_zero_point or scheme.is_channelwise or problem.has_g_idx:
+        return "measured for symmetric int4 with groups only"
+    if not (32 <= problem.group_size_w13 <= 128 and 16 <= problem.group_size_w2 <= 128):
+        return f"group sizes {problem.group_size_w13}/{problem.group_size_w2} not measured"
+    return None
+
+
+def marlin_takes(problem: MoEProblem, m: int, device) -> bool:
+    """Whether auto runs `m` tokens of this layer on Marlin (the rule above): m <= MARLIN_MAX_TOKENS and
+
+        (rows, read) >= (MARLIN_MIN_ROWS, MARLIN_MIN_BYTES), (MARLIN_MIN_ROWS_SMALL, MARLIN_MIN_BYTES_SMALL) or
+        (MARLIN_MIN_ROWS_LARGE, MARLIN_MIN_BYTES_LARGE), each pair compared element-wise
+
+    rows = base.pairs_per_expert(problem, m), read = base.experts_read(problem, m)."""
+    if m > MARLIN_MAX_TOKENS or marlin_rule_applies(problem, device):
+        return False
+    rows, read = pairs_per_expert(problem, m), experts_read(problem, m)
+    bars = (
+        (MARLIN_MIN_ROWS, MARLIN_MIN_BYTES),
+        (MARLIN_MIN_ROWS_SMALL, MARLIN_MIN_BYTES_SMALL),
+        (MARLIN_MIN_ROWS_LARGE, MARLIN_MIN_BYTES_LARGE),
+    )
+    return any(rows >= min_rows and read >= min_bytes for min_rows, min_bytes in bars)
 
 
 def _marlin_group(gs: int, size_k: int) -> int:

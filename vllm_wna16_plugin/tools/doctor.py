@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_wna16_plugin import _vllm
+from vllm_wna16_plugin import _vllm, compose
 from vllm_wna16_plugin.activation import check_expert_math
 from vllm_wna16_plugin.backends import MoEProblem, RunOptions
 from vllm_wna16_plugin.backends.base import act_order_split_issue, random_act_order_padding
@@ -38,7 +38,6 @@ from vllm_wna16_plugin.checkpoint_config import (
 )
 from vllm_wna16_plugin.gptq_linear import LINEAR_METHOD, owns_linear
 from vllm_wna16_plugin.kernels.options import PLAN_DEVICES
-from vllm_wna16_plugin.launch_plan import composable_with_humming, compose_with_humming
 from vllm_wna16_plugin.launch_plan import plan as launch_plan
 from vllm_wna16_plugin.oracle import collect_verdicts, select_backend
 from vllm_wna16_plugin.packing import check_packable
@@ -621,7 +620,7 @@ def _scheme_plan(cp: CheckpointPlan, g: MoESchemeLayers, device: str, launch_con
             for m in BATCH_SIZES
             for line in launch_plan(problem, m, DEVICES[device], selection=selection).describe().split("\n")
         ]
-        out += ["", _humming_composition(problem, DEVICES[device], selection)]
+        out += ["", *_composition(DEVICES[device], selection)]
     return out
 
 
@@ -630,35 +629,41 @@ def _requested() -> tuple[str, str]:
     plugin's other variables are checked as loading checks them (a bad value: ValueError, exit 2)."""
     import os
 
-    from vllm_wna16_plugin.backends.humming import ENV_COMPOSE, compose_setting
     from vllm_wna16_plugin.kernels.triton.td_gate import td_request_from_env
     from vllm_wna16_plugin.oracle import resolve_request
     from vllm_wna16_plugin.user_tables import use_tuned
 
-    compose_setting(os.environ.get(ENV_COMPOSE))
+    compose.check_settings(os.environ)
     td_request_from_env()
     use_tuned()
     requested, source = resolve_request(None)
     return requested, "auto" if source == "--moe-backend" else source
 
 
-def _humming_composition(problem: MoEProblem, device, selection) -> str:
-    """Which batch sizes auto hands to Humming where humming-kernels is installed (vLLM 0.33-0.34's default on
-    sm90) and the layer's second copy fits (backends/humming.compose_decision), or why it never does."""
+# where each partner is what vLLM would run (compose.partners' order: Humming where installed, else Marlin)
+_PARTNER_WHERE = {"humming": "where humming-kernels is installed (vLLM 0.33-0.34)",
+                  "marlin": "where Humming is not (vLLM 0.26-0.32)"}  # fmt: skip
+
+
+def _composition(device, selection) -> list[str]:
+    """One line per compose.partners() entry: which batch sizes auto hands that vLLM kernel where it is the
+    layer's partner and its second copy fits (compose.compose_decision), or why it never does."""
     import os
 
-    from vllm_wna16_plugin.backends.humming import ENV_COMPOSE, compose_setting
-
-    if why_not := composable_with_humming(selection):
-        return f"composed with Humming: no ({why_not})"
-    if compose_setting(os.environ.get(ENV_COMPOSE)) == "off":
-        return f"composed with Humming: no ({ENV_COMPOSE}={os.environ.get(ENV_COMPOSE)})"
-    composed = compose_with_humming(selection)
-    takes = [
-        m for m in BATCH_SIZES if launch_plan(composed.problem, m, device, selection=composed).backend == "humming"
-    ]
-    return (f"composed with Humming where humming-kernels is installed and memory allows ({ENV_COMPOSE}): "
-            f"M={', '.join(map(str, takes))} run on Humming, the others as above")  # fmt: skip
+    lines = []
+    for p in compose.partners():
+        if why_not := compose.composable_with(selection, p.backend):
+            lines.append(f"composed with {p.label}: no ({why_not})")
+            continue
+        if compose.compose_setting(os.environ.get(p.env), p.env) == "off":
+            lines.append(f"composed with {p.label}: no ({p.env}={os.environ.get(p.env)})")
+            continue
+        composed = compose.compose_with(selection, p.backend)
+        takes = [m for m in BATCH_SIZES
+                 if launch_plan(composed.problem, m, device, selection=composed).backend == p.backend]  # fmt: skip
+        lines.append(f"composed with {p.label} {_PARTNER_WHERE[p.backend]} and memory allows ({p.env}): "
+                     f"M={', '.join(map(str, takes))} run on {p.label}, the others as above")  # fmt: skip
+    return lines
 
 
 def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_configs: bool = True,

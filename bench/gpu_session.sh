@@ -108,10 +108,10 @@ for step in "$@"; do
                for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
                for f in "$OUT"/gpu_tests_*.log; do echo "== $(basename "$f")"; grep -E "FAILED|Error|passed|failed" "$f" | tail -12; done ;;
     # the whole tier in one call: test_llm_generate.py (its runs E2E_JOBS at a time) beside the other
-    # modules (serve, bad input, TP, asymmetric linears, Humming composition), two pytest processes, each
+    # modules (serve, bad input, TP, asymmetric linears, Humming and Marlin composition), two pytest processes, each
     # with its own log and record. E2E_PARTS="name|jobs|paths|selection;..." runs other parts side by side.
     e2e-par) pids=(); parts=()
-             rest=${E2E_REST_PATHS:-"tests/e2e/test_bad_input.py tests/e2e/test_serve.py tests/e2e/test_tensor_parallel.py tests/e2e/test_gptq_asym_linear.py tests/e2e/test_humming_compose.py"}
+             rest=${E2E_REST_PATHS:-"tests/e2e/test_bad_input.py tests/e2e/test_serve.py tests/e2e/test_tensor_parallel.py tests/e2e/test_gptq_asym_linear.py tests/e2e/test_humming_compose.py tests/e2e/test_marlin_compose.py"}
              if [ -n "${E2E_PARTS:-}" ]; then IFS=';' read -ra parts <<<"$E2E_PARTS"
              else parts=("gen|${E2E_JOBS:-12}|tests/e2e/test_llm_generate.py|${E2E_GEN_ARGS:-${E2E_ARGS:-}}" "rest|1|$rest|${E2E_ARGS:-}"); fi
              names=()

@@ -129,7 +129,7 @@ def _run_llm_now(model: Path, tmp_path: Path, timeout: int = 900, **kwargs) -> R
     spec_path, out_path = tmp_path / f"{tag}.spec.json", tmp_path / f"{tag}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, TRITON_INTERPRET="0")
-    for name in ("VLLM_WNA16_PLUS_BACKEND", "VLLM_WNA16_PLUS_HUMMING"):  # a run's own choice, never the caller's
+    for name in ("VLLM_WNA16_PLUS_BACKEND", "VLLM_WNA16_PLUS_HUMMING", "VLLM_WNA16_PLUS_MARLIN"):  # the run's own
         env.pop(name, None)
     if backend:
         env["VLLM_WNA16_PLUS_BACKEND"] = backend
@@ -274,9 +274,11 @@ def dequantize_attention(src: Path, dst: Path) -> Path:
 
 requires_gpu = pytest.mark.skipif(gpus() == 0, reason="needs a CUDA GPU")
 
-# what a run under `auto` logs when its layers composed with Humming, and when told not to (launch_plan)
+# what a run under `auto` logs when its layers composed with Humming or Marlin, and when told not to (compose.py)
 HUMMING_COMPOSED = "run on Humming (vLLM's default here); the layer keeps a second copy"
 HUMMING_NOT_COMPOSED = "not composed with Humming (VLLM_WNA16_PLUS_HUMMING=0)"
+MARLIN_COMPOSED = "run on Marlin (vLLM's default here); the layer keeps a second copy"
+MARLIN_NOT_COMPOSED = "not composed with Marlin (VLLM_WNA16_PLUS_MARLIN=0)"
 
 
 def humming_missing() -> str | None:

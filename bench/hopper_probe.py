@@ -176,7 +176,7 @@ def main(argv=None) -> int:
                        tflops=round(6 * m * top_k * H * inter / us / 1e6, 1) if ok else None)  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del layer
+        layer = None  # its weights freed before the next shape
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

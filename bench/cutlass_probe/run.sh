@@ -9,8 +9,11 @@ cd "$(dirname "$0")"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 # Mixtral-8x7B at TP 4 (GEMM1 N=2I=7168 K=4096; GEMM2 N=4096 K=3584) at 16/32/64 tokens per expert (M 64/128/256),
 # Mixtral-8x22B at TP 4 at 16, Qwen3-30B-A3B at TP 1 at 16 (M=256), Mixtral-8x7B's GEMM1 at prefill (M=4096)
-for spec in "16 7168 4096 8" "16 4096 3584 8" "32 7168 4096 8" "32 4096 3584 8" "64 7168 4096 8" "64 4096 3584 8" \
-            "16 8192 6144 8" "16 6144 4096 8" "16 1536 2048 128" "16 2048 768 128" "1024 28672 4096 8"; do
+# PROBE_SPECS="tokens N K experts;..." replaces the list (e.g. prefill shapes for the wide-tile binaries)
+default="16 7168 4096 8;16 4096 3584 8;32 7168 4096 8;32 4096 3584 8;64 7168 4096 8;64 4096 3584 8;16 8192 6144 8"
+default="$default;16 6144 4096 8;16 1536 2048 128;16 2048 768 128;1024 28672 4096 8"
+IFS=';' read -ra specs <<<"${PROBE_SPECS:-$default}"
+for spec in "${specs[@]}"; do
   set -- $spec
   for bin in ./ex69_n*; do
     r=$(timeout 60 "$bin" --m="$1" --n="$2" --k="$3" --groups="$4" --c=128 --mode=1 --iterations=30 --warmup=5 2>&1 \

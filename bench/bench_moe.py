@@ -443,7 +443,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="plugin-auto,plugin-triton-auto,plugin-triton,plugin-triton-td,plugin-cuda,vllm-triton,vllm-cuda,"
         "vllm-marlin,vllm-humming,bf16-dense",
         help="plugin-auto: the oracle's pick (cuda inside the shipped crossover, else triton); plugin-auto-composed: "
-        "auto composed with Humming where installed; a plugin provider + '-ao': its act-order twin; plugin-triton-auto: "
+        "auto composed with Humming where installed; plugin-auto-marlin: composed with Marlin (a vLLM without Humming); "
+        "a plugin provider + '-ao': its act-order twin; plugin-triton-auto: "
         "the Triton backend with tuned TD; plugin-triton-alt: the same with --alt-config-dir's configs; "
         "plugin-triton / -td: pointer / TD loads forced; plugin-triton-split, "
         "-words, -tile: other kernel forms; plugin-cuda, plugin-vllm_cuda, vllm-*: as named (vllm-humming: vLLM 0.34's "

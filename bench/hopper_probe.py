@@ -6,8 +6,8 @@ Builds csrc/hopper/moe_w4a16_grouped.cu with torch's JIT build (CUTLASS headers 
 wheel: $CUTLASS_DIR, else .cutlass-probe/nvidia_cutlass-*.whl unpacked, else the installed cutlass_library),
 then for MoE layers of real models' shapes (symmetric int4, group 128, bf16):
 
-    route + gather (one kernel + index_select) -> grouped GEMM1 -> silu(gate) * up -> grouped GEMM2
-    -> weighted sum over top_k
+    route -> gather -> grouped GEMM1 -> silu(gate) * up -> grouped GEMM2 -> weighted sum over top_k
+    (one extension call; the token-tile width by the rows an expert takes: 16, 32, 64, 128 or 256)
 
 checks the layer against the float reference (the plugin's reference.fused_moe_ref on the dequantized
 weights), captures it in a CUDA graph and times replays (median, µs per layer call), beside torch's bf16
@@ -27,7 +27,6 @@ import zipfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -40,6 +39,8 @@ SHAPES = [("Mixtral-8x7B@tp4", 8, 2, 4096, 3584), ("Mixtral-8x22B@tp4", 8, 2, 61
           ("Qwen3-30B-A3B@tp1", 128, 8, 2048, 768), ("DeepSeek-V3@tp8", 256, 8, 7168, 256)]  # fmt: skip
 M_VALUES = [16, 64, 128, 256, 1024, 4096]
 GROUP = 128
+TILES = (16, 32, 64, 128, 256)  # csrc/hopper/grouped_tile_*.cu
+STAGES = ("route", "gather", "GEMM1", "activation", "GEMM2", "sum")
 
 
 def cutlass_include() -> list[str]:
@@ -64,7 +65,9 @@ def build():
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     t0 = time.time()
-    ext = load(name="wna16_hopper", sources=[str(ROOT / "csrc" / "hopper" / "moe_w4a16_grouped.cu")],
+    hopper = ROOT / "csrc" / "hopper"
+    sources = [hopper / "moe_w4a16_grouped.cu", *sorted(hopper.glob("grouped_tile_*.cu"))]
+    ext = load(name="wna16_hopper", sources=[str(p) for p in sources],
                extra_include_paths=cutlass_include(),
                # torch's extension flags turn off the half/bf16 operators CUTLASS's types are built on
                extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-DNDEBUG", "-U__CUDA_NO_HALF_OPERATORS__",
@@ -98,13 +101,17 @@ class Layer:
         self.s2 = k2.scales.transpose(1, 2).contiguous()
         self.consts = ext.layer_constants(E, 2 * inter, H, H, inter, H // GROUP, inter // GROUP, torch.device("cuda"))
 
-    def __call__(self, x, topk_w, topk_ids):
-        d1, pair_row, a2, d2, ptrs, problems = self.ext.moe_gemm1(x, topk_ids, self.w13, self.s13, self.w2, self.s2,
-                                                                  self.consts, GROUP, GROUP)  # fmt: skip
-        torch.mul(F.silu(d1[:, : self.inter]), d1[:, self.inter :], out=a2)
-        self.ext.moe_gemm2(ptrs, problems, self.consts, self.E, GROUP)
-        rows = d2.index_select(0, pair_row).view(x.shape[0], self.top_k, self.H).float()
-        return (rows * topk_w.unsqueeze(-1)).sum(1).to(x.dtype)
+    def tile(self, m: int) -> int:
+        """The token-tile width for m tokens: the narrowest of TILES that holds the rows an expert hit takes
+        on average (m * top_k pairs over the experts hit, uniform routing)."""
+        hit = self.E * (1 - (1 - 1 / self.E) ** (m * self.top_k))
+        rows = m * self.top_k / max(hit, 1.0)
+        return next((t for t in TILES if t >= rows), TILES[-1])
+
+    def __call__(self, x, topk_w, topk_ids, stages: int = 6, tile: int | None = None):
+        t = tile or self.tile(x.shape[0])
+        return self.ext.moe_forward(x, topk_ids, topk_w, self.w13, self.s13, self.w2, self.s2, self.consts, GROUP,
+                                    GROUP, t, t, stages)  # fmt: skip
 
 
 def routing(m, E, top_k, gen):  # noqa: N803
@@ -140,6 +147,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--m", default=",".join(map(str, M_VALUES)))
+    ap.add_argument("--breakdown", action="store_true", help="also time each stage (by prefixes of the layer)")
+    ap.add_argument("--all-tiles", action="store_true", help="also time the layer with every tile width")
     args = ap.parse_args(argv)
     ms = [int(v) for v in args.m.split(",")]
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
@@ -171,9 +180,17 @@ def main(argv=None) -> int:
 
             dense_us = graph_time(dense, reps=5, calls=3)
             weight_mb = (sum(c > 0 for c in counts) * 3 * H * inter / 2) / 1e6
-            row = dict(shape=name, M=m, rel_err=round(err, 5), ok=ok, cutlass_us=round(us, 1),
+            row = dict(shape=name, M=m, tile=layer.tile(m), rel_err=round(err, 5), ok=ok, cutlass_us=round(us, 1),
                        bf16_matmuls_us=round(dense_us, 1), weights_mb=round(weight_mb, 1),
                        tflops=round(6 * m * top_k * H * inter / us / 1e6, 1) if ok else None)  # fmt: skip
+            if ok and args.breakdown:
+                prefix = [graph_time(lambda k=k: layer(x, topk_w, topk_ids, stages=k)) for k in range(1, 7)]
+                row["stages_us"] = {
+                    s: round(b - a, 1) for s, a, b in zip(STAGES, [0.0, *prefix[:-1]], prefix, strict=True)
+                }
+            if ok and args.all_tiles:
+                row["tiles_us"] = {t: round(graph_time(lambda t=t: layer(x, topk_w, topk_ids, tile=t)), 1)
+                                   for t in TILES}  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
         layer = None  # its weights freed before the next shape

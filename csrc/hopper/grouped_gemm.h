@@ -1,0 +1,39 @@
+// One grouped int4 x bf16 GEMM launch over the routed experts, by token-tile width (grouped_gemm.cuh defines
+// it, one translation unit per width: grouped_tile_<N>.cu). No CUTLASS types here: the arrays are the
+// device-side per-expert arrays moe_w4a16_grouped.cu writes (problem shapes, pointers, strides, layouts).
+#pragma once
+
+#include <cstddef>
+#include <cuda_runtime.h>
+
+namespace wna16_hopper {
+
+// the token-tile widths built (the MMA's N side; the weights take 128 rows a tile)
+constexpr int kTileWidths[] = {16, 32, 64, 128, 256};
+
+struct GroupedArgs {
+  int num_groups = 0;
+  void* problems = nullptr;  // UnderlyingProblemShape[E]: (N, rows of expert e, K)
+  const void** b = nullptr;  // expert e's signed, reordered int4 weights
+  void* layout_b = nullptr;  // LayoutB_Reordered[E]
+  const void** a = nullptr;  // expert e's first activation row
+  void* stride_a = nullptr;  // StrideA[E]
+  const void** s = nullptr;  // expert e's (G, N) scales
+  void* stride_s = nullptr;  // StrideS[E]
+  int group_size = 0;        // K elements per scale (K itself: channel-wise)
+  void** d = nullptr;        // expert e's first output row
+  void* stride_d = nullptr;  // StrideD[E]
+  void* stride_c = nullptr;  // StrideC[E] (C is unused: beta = 0)
+  int device = 0;
+  int sm_count = 0;
+  void* workspace = nullptr;
+  cudaStream_t stream = nullptr;
+};
+
+// bytes of workspace one launch needs; then the launch (nullptr, or why CUTLASS refused it)
+template <int TileN>
+size_t grouped_workspace_bytes(const GroupedArgs& args);
+template <int TileN>
+const char* run_grouped(const GroupedArgs& args);
+
+}  // namespace wna16_hopper

@@ -20,7 +20,6 @@ import argparse
 import glob
 import json
 import os
-import statistics
 import sys
 import time
 import zipfile
@@ -121,26 +120,10 @@ def routing(m, E, top_k, gen):  # noqa: N803
 
 
 def graph_time(fn, reps: int = 10, calls: int = 10) -> float:
-    """Median µs per call of `calls` calls captured in one CUDA graph, over `reps` replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(times)
+    """Median µs per call of `calls` calls of fn captured in one CUDA graph, over `reps` replays (tune's timer)."""
+    from vllm_wna16_plugin.tools.tune import graph_time_us
+
+    return graph_time_us([fn] * calls, reps)
 
 
 def main(argv=None) -> int:

@@ -44,7 +44,14 @@ from typing import Any
 import torch
 
 from vllm_wna16_plugin import _vllm
-from vllm_wna16_plugin.backends.base import Backend, KernelTensors, MoEProblem, experts_read, half_precision_reason
+from vllm_wna16_plugin.backends.base import (
+    Backend,
+    KernelTensors,
+    MoEProblem,
+    composition_scope,
+    experts_read,
+    half_precision_reason,
+)
 
 logger = _vllm.init_logger(__name__)
 
@@ -306,16 +313,8 @@ def humming_copy_bytes(problem: MoEProblem) -> int:
     return e * total
 
 
-def humming_rule_applies(problem: MoEProblem, device) -> str | None:
-    """Why the Humming rule does not speak for this layer on `device` (None: it does)."""
-    if device.platform != "cuda" or device.sm != 90:
-        return f"measured on sm90 only (device is {device.platform} sm{device.sm})"
-    scheme = problem.scheme
-    if scheme.bits != 4 or scheme.has_zero_point or scheme.is_channelwise or problem.has_g_idx:
-        return "measured for symmetric int4 with groups only"
-    if not (32 <= problem.group_size_w13 <= 128 and 16 <= problem.group_size_w2 <= 128):
-        return f"group sizes {problem.group_size_w13}/{problem.group_size_w2} not measured"
-    return None
+# why the Humming rule does not speak for a layer on a device (None: it does): the composition scope
+humming_rule_applies = composition_scope
 
 
 def humming_takes(problem: MoEProblem, m: int, device) -> bool:

@@ -11,6 +11,7 @@ from vllm_wna16_plugin.backends.base import (
     Backend,
     KernelTensors,
     MoEProblem,
+    composition_scope,
     experts_read,
     half_precision_reason,
     pairs_per_expert,
@@ -59,16 +60,8 @@ def marlin_copy_bytes(problem: MoEProblem) -> int:
     return e * total
 
 
-def marlin_rule_applies(problem: MoEProblem, device) -> str | None:
-    """Why the Marlin rule does not speak for this layer on `device` (None: it does)."""
-    if device.platform != "cuda" or device.sm != 90:
-        return f"measured on sm90 only (device is {device.platform} sm{device.sm})"
-    scheme = problem.scheme
-    if scheme.bits != 4 or scheme.has_zero_point or scheme.is_channelwise or problem.has_g_idx:
-        return "measured for symmetric int4 with groups only"
-    if not (32 <= problem.group_size_w13 <= 128 and 16 <= problem.group_size_w2 <= 128):
-        return f"group sizes {problem.group_size_w13}/{problem.group_size_w2} not measured"
-    return None
+# why the Marlin rule does not speak for a layer on a device (None: it does): the composition scope
+marlin_rule_applies = composition_scope
 
 
 def marlin_takes(problem: MoEProblem, m: int, device) -> bool:

@@ -40,20 +40,17 @@ def problem_of(E, top_k, H, inter, gs=128, bits=4, zp=False, gs2=None, **options
                       options=RunOptions(plan_only=True, **options))  # fmt: skip
 
 
+def catalog_shapes():
+    """bench/rule_report.py's: shape name -> (its catalog set, its Shape), every catalog model at TP 1-8."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from rule_report import catalog_shapes as shapes
+
+    return shapes()
+
+
 def decisions(run: str) -> list[tuple[str, int, bool, float]]:
     """(shape, M, the rule takes Humming, the chosen time / the faster of plugin-auto and vllm-humming)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from model_catalog import CATALOG
-    from model_shapes import model_moe_shape
-
-    shapes = {}
-    for name, (_, cfg) in CATALOG.items():
-        for tp in (1, 2, 4, 8):
-            try:
-                s = model_moe_shape(cfg, tp, None, None, name=name)
-            except ValueError:
-                continue
-            shapes[s.name] = s
+    shapes = {name: shape for name, (_, shape) in catalog_shapes().items()}
     times: dict[tuple[str, int], dict[str, float]] = {}
     with open(RESULTS / run, newline="") as f:
         for r in csv.DictReader(f):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import sys
 from pathlib import Path
 
 from vllm_wna16_plugin.backends import registry
@@ -26,7 +25,7 @@ from vllm_wna16_plugin.launch_plan import plan, plan_backends
 from vllm_wna16_plugin.oracle import select_backend
 from vllm_wna16_plugin.scheme import CHANNELWISE
 
-from .test_humming_rule import problem_of
+from .test_humming_rule import catalog_shapes, problem_of
 
 H200 = PLAN_DEVICES["sm90"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,19 +45,7 @@ def decisions(run: str, plugin: str, from_m: int, split: str) -> list[tuple[str,
     """(shape, M, the rule takes Marlin, the chosen time / the faster of the plugin's and Marlin's) for the
     run's shapes of one catalog set ("dev" or "validation") at M >= from_m. The plugin's time: the column of
     the kernel this commit's plan runs (plugin-cuda or plugin-triton-auto) where the run has it, else `plugin`."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from model_catalog import CATALOG
-    from model_shapes import model_moe_shape
-
-    shapes = {}
-    for name, (which, cfg) in CATALOG.items():
-        for tp in (1, 2, 4, 8):
-            try:
-                s = model_moe_shape(cfg, tp, None, None, name=name)
-            except ValueError:
-                continue
-            if which == split:
-                shapes[s.name] = s
+    shapes = {name: shape for name, (which, shape) in catalog_shapes().items() if which == split}
     times: dict[tuple[str, int], dict[str, float]] = {}
     with open(RESULTS / run, newline="") as f:
         for r in csv.DictReader(f):

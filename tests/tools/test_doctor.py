@@ -536,6 +536,10 @@ def test_doctor_says_which_batch_sizes_humming_takes_where_installed(gs32_k2048,
     assert "no (the Humming rule does not speak for it: measured on sm90 only" in plan(tmp_path, tp=1, device="sm80")
     # E=8 experts of about 0.9 MB: no batch reads 20 MB
     assert "composed with Humming: no (Humming would take none of its batch sizes)" in plan(gs32_k2048, device="sm90")
+    # where Humming is not installed: Marlin, from 8 rows per expert hit with 300 MB read (M=128: 1024 pairs over
+    # 128 experts) up to its 256-token cap
+    line = next(x for x in plan(tmp_path, tp=1, device="sm90").splitlines() if x.startswith("composed with Marlin"))
+    assert "VLLM_WNA16_PLUS_MARLIN" in line and ": M=128, 256 run on Marlin" in line, line
 
 
 def test_doctor_reads_the_plugins_variables_as_loading_does(gs32_k2048, monkeypatch):
@@ -549,6 +553,7 @@ def test_doctor_reads_the_plugins_variables_as_loading_does(gs32_k2048, monkeypa
     assert "backend on sm90 (VLLM_WNA16_PLUS_BACKEND=reference): reference" in text, text
     monkeypatch.delenv("VLLM_WNA16_PLUS_BACKEND")
     for name, value, message in (("VLLM_WNA16_PLUS_HUMMING", "maybe", "VLLM_WNA16_PLUS_HUMMING='maybe'"),
+                                 ("VLLM_WNA16_PLUS_MARLIN", "sometimes", "VLLM_WNA16_PLUS_MARLIN='sometimes'"),
                                  ("VLLM_TRITON_USE_TD", "perhaps", "VLLM_TRITON_USE_TD='perhaps' is not understood"),
                                  ("VLLM_WNA16_PLUS_TUNED", "banana", "VLLM_WNA16_PLUS_TUNED='banana'")):  # fmt: skip
         monkeypatch.setenv(name, value)

@@ -10,6 +10,11 @@ build break cannot land); WNA16_PLUS_SKIP_CUDA=1 skips the build.
 TORCH_CUDA_ARCH_LIST picks the architectures; unset, the build targets the GPUs this machine has
 (e.g. "9.0" on an H100/H200), or "8.0;9.0;10.0" when it has none (about three times the build time).
 
+Where the architectures include sm90 and CUTLASS's headers are found (CUTLASS_DIR, else the nvidia-cutlass
+package, pinned in README.md's set-up), a second extension, vllm_wna16_plugin._hopper (csrc/hopper/: the
+`hopper` backend's grouped GEMM on TMA and wgmma), is built for sm90a only: about 2.5 minutes per translation
+unit on one core. WNA16_PLUS_SKIP_HOPPER=1 skips it; without CUTLASS it is skipped with a note.
+
 The build takes minutes (sm90 alone: about 4.5 min on 2 cores, 1 min on 16). pip hides a build's
 output unless run with -v, so the line before and the line after the build also go to the terminal
 (/dev/tty) when there is one.
@@ -75,8 +80,68 @@ def _torch_cxx_standard() -> str:
     return found.group(1) if found else "?"
 
 
+CUTLASS_PACKAGE = "nvidia-cutlass==4.2.0.0"  # headers only (README.md's set-up installs it with --no-deps)
+
+
+def cutlass_root() -> tuple[Path | None, str]:
+    """(CUTLASS's source root: include/ and tools/util/include/ under it, where it came from), or (None, why
+    not): $CUTLASS_DIR, else the installed nvidia-cutlass package's cutlass_library/source (found, not imported)."""
+    import importlib.util
+
+    if env := os.environ.get("CUTLASS_DIR"):
+        root = Path(env)
+        if (root / "include" / "cutlass" / "cutlass.h").exists():
+            return root, f"CUTLASS_DIR={env}"
+        return None, f"CUTLASS_DIR={env} has no include/cutlass/cutlass.h"
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec and spec.submodule_search_locations:
+        root = Path(next(iter(spec.submodule_search_locations))) / "source"
+        if (root / "include" / "cutlass" / "cutlass.h").exists():
+            return root, f"the nvidia-cutlass package ({root})"
+    return None, f"no CUTLASS headers (pip install --no-deps {CUTLASS_PACKAGE}, or set CUTLASS_DIR)"
+
+
+def builds_sm90(archs: str) -> bool:
+    """Whether TORCH_CUDA_ARCH_LIST ("8.0;9.0;10.0", "9.0a", "9.0+PTX") names sm90."""
+    return any(a.strip().split("+")[0].rstrip("a") == "9.0" for a in archs.replace(" ", ";").split(";"))
+
+
+def hopper_extension(CUDAExtension, archs: str, abi: str, link: list[str]):  # noqa: N803
+    """The `hopper` backend's extension (csrc/hopper/, sm90a only), or None with a log line saying why not."""
+    if os.environ.get("WNA16_PLUS_SKIP_HOPPER") == "1":
+        _note("not building the hopper kernels (WNA16_PLUS_SKIP_HOPPER=1)")
+        return None
+    if not builds_sm90(archs):
+        _note(f"not building the hopper kernels: they are sm90a only and TORCH_CUDA_ARCH_LIST is {archs}")
+        return None
+    root, where = cutlass_root()
+    if root is None:
+        if os.environ.get("WNA16_PLUS_REQUIRE_CUDA") == "1":
+            raise RuntimeError(f"WNA16_PLUS_REQUIRE_CUDA=1 but the hopper kernels cannot be built: {where} "
+                               "(WNA16_PLUS_SKIP_HOPPER=1 builds without them)")  # fmt: skip
+        _note(f"not building the hopper kernels: {where}")
+        return None
+    _note(f"building the hopper kernels for sm90a (CUTLASS from {where})")
+    hopper = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "hopper").glob("*.cu"))
+    return CUDAExtension(
+        name="vllm_wna16_plugin._hopper",
+        sources=hopper,
+        include_dirs=[str(ROOT / "csrc" / "hopper"), str(root / "include"), str(root / "tools" / "util" / "include")],
+        # an -gencode of our own: torch then adds none from TORCH_CUDA_ARCH_LIST for this extension. torch's
+        # flags turn off the half/bf16 operators CUTLASS's types are built on: turned back on.
+        extra_compile_args={
+            "cxx": ["-O3", abi],
+            "nvcc": ["-O3", abi, "-DNDEBUG", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
+                     "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"],
+        },  # fmt: skip
+        extra_link_args=link,
+        py_limited_api=False,
+    )
+
+
 def cuda_extension():
-    """([CUDAExtension], cmdclass), or ([], {}) with a log line saying why not."""
+    """([CUDAExtension, ...], cmdclass), or ([], {}) with a log line saying why not."""
     if os.environ.get("WNA16_PLUS_SKIP_CUDA") == "1":
         return _skip("WNA16_PLUS_SKIP_CUDA=1")
     if not os.environ.get("CUDA_HOME") and Path("/usr/local/cuda/include/cuda_runtime.h").exists():
@@ -127,6 +192,9 @@ def cuda_extension():
         extra_link_args=link,
         py_limited_api=False,
     )
+    exts = [ext]
+    if hopper := hopper_extension(CUDAExtension, archs, abi, link):
+        exts.append(hopper)
 
     class TimedBuildExtension(BuildExtension):
         """BuildExtension that tells the user, on the terminal, when the long build starts and ends."""
@@ -139,7 +207,7 @@ def cuda_extension():
             super().build_extensions()
             _note(f"CUDA ops built in {time.monotonic() - start:.0f} s", to_terminal=True)
 
-    return [ext], {"build_ext": TimedBuildExtension}
+    return exts, {"build_ext": TimedBuildExtension}
 
 
 ext_modules, cmdclass = cuda_extension()

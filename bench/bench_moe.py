@@ -45,7 +45,7 @@ from model_shapes import Shape, model_moe_shape, shapes_from_configs  # noqa: E4
 
 from vllm_wna16_plugin import packing  # noqa: E402
 from vllm_wna16_plugin.backends import KernelTensors, MoEProblem, RunOptions  # noqa: E402
-from vllm_wna16_plugin.compose import composable_with, compose_with  # noqa: E402
+from vllm_wna16_plugin.compose import composable_with, compose_with, hopper_composable, with_hopper  # noqa: E402
 from vllm_wna16_plugin.kernels.options import KernelOptions  # noqa: E402
 from vllm_wna16_plugin.launch_plan import LayerRunner  # noqa: E402
 from vllm_wna16_plugin.ops import make_problem  # noqa: E402
@@ -255,6 +255,9 @@ DELEGATED = {"vllm-marlin": "marlin", "vllm-humming": "humming"}
 # runs it when its second copy fits the device's memory; plugin-auto-marlin: composed with Marlin, as on a vLLM
 # without Humming (0.26-0.32)
 COMPOSED = {"auto-composed": "humming", "auto-marlin": "marlin"}
+# plugin-auto-hopper: auto with the hopper kernel's copy (compose.with_hopper), no vLLM partner; plugin-hopper runs
+# the hopper kernel at every batch size
+WITH_HOPPER = ("auto-hopper",)
 
 
 def layer_problem(x, w: Weights, topk_ids, gs: int, *, bits: int = 4, gs_w2: int | None = None) -> MoEProblem:
@@ -279,7 +282,8 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4
     problem = layer_problem(x, w, topk_ids, gs, bits=bits, gs_w2=gs_w2)
     problem = dataclasses.replace(problem, options=RunOptions(kernel=provider_options(prov)), has_g_idx=act_order)
     partner = COMPOSED.get(name)
-    name = "auto" if partner else name
+    hopper = name in WITH_HOPPER
+    name = "auto" if partner or hopper else name
     try:  # each provider but auto is asked for by name; auto is the oracle's pick with the shipped crossover
         selection = select_backend(problem, name, "provider")
     except ValueError as exc:
@@ -288,6 +292,10 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4
         if reason := composable_with(selection, partner):
             raise NotApplicable(f"not composed with {partner}: {reason}")
         selection = compose_with(selection, partner)
+    if hopper:
+        if reason := hopper_composable(selection):
+            raise NotApplicable(f"not composed with the hopper kernel: {reason}")
+        selection = with_hopper(selection)
     return LayerRunner(selection, KernelTensors(w.q13, w.q2, w.scales13, w.scales2, w13_g_idx=w.g13, w2_g_idx=w.g2))
 
 
@@ -444,6 +452,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "vllm-marlin,vllm-humming,bf16-dense",
         help="plugin-auto: the oracle's pick (cuda inside the shipped crossover, else triton); plugin-auto-composed: "
         "auto composed with Humming where installed; plugin-auto-marlin: composed with Marlin (a vLLM without Humming); "
+        "plugin-auto-hopper: auto with the hopper kernel's copy (its rule); plugin-hopper: the hopper kernel at every M; "
         "a plugin provider + '-ao': its act-order twin; plugin-triton-auto: "
         "the Triton backend with tuned TD; plugin-triton-alt: the same with --alt-config-dir's configs; "
         "plugin-triton / -td: pointer / TD loads forced; plugin-triton-split, "

@@ -10,6 +10,12 @@ layout of vLLM's default kernel for the layer and hand that kernel the batch siz
 layer and whose rule speaks for it decides, and a layer it leaves (its variable at 0, or memory) is not handed to
 the next, so one copy at most is ever added. The copy counts against vLLM's memory budget: compose_decision.
 launch_plan.plan then names the partner for the batches its rule takes.
+
+The plugin's own sm90 grouped GEMM (backends/hopper.py) is composed the same way, beside any partner: its copy
+of the layer is decided by its own variable (VLLM_WNA16_PLUS_HOPPER) and the same memory rule, counting the
+partner's copy, and the plan gives it the batches its rule takes that the partner's does not.
+
+    hopper_composable(selection) -> why not, or None     with_hopper(selection) -> the selection composed
 """
 
 from __future__ import annotations
@@ -106,6 +112,41 @@ def compose_with(selection: Selection, name: str) -> Selection:
     return dataclasses.replace(selection, problem=composed)
 
 
+# the batch sizes the hopper rule must take one of (prefill included: up to vLLM's default token budget)
+HOPPER_PROBE_SIZES = (*PROBE_SIZES, 1024, 2048, 4096, 8192)
+
+
+def hopper_composable(selection: Selection) -> str | None:
+    """Why auto cannot hand some of this layer's batches to the hopper kernel, or None when it can: an auto cuda /
+    triton layer in the kernel's scope (backends/hopper.hopper_scope) with the extension built, whose rule takes
+    at least one batch size."""
+    from vllm_wna16_plugin.backends.hopper import hopper_scope, hopper_takes
+
+    problem = selection.problem
+    if selection.requested != "auto":
+        return f"the layer runs {selection.backend.name!r} as asked ({selection.source})"
+    if selection.backend.name not in COMPOSABLE:
+        return f"auto runs it on {selection.backend.name!r}, not on the plugin's kernels"
+    device = layer_device(problem)
+    if reason := hopper_scope(problem, device):
+        return reason
+    if not problem.options.plan_only:
+        from vllm_wna16_plugin.kernels.hopper_ops import extension_error
+
+        if reason := extension_error():
+            return reason
+    if not any(hopper_takes(problem, m, device) for m in HOPPER_PROBE_SIZES):
+        return "its rule takes none of the layer's batch sizes"
+    return None
+
+
+def with_hopper(selection: Selection) -> Selection:
+    """The selection with RunOptions.hopper set (callers check hopper_composable first)."""
+    problem = selection.problem
+    composed = dataclasses.replace(problem, options=dataclasses.replace(problem.options, hopper=True))
+    return dataclasses.replace(selection, problem=composed)
+
+
 def compose_setting(value: str | None, env: str) -> str:
     """A partner variable's value (env names it) as "auto", "on" or "off"; ValueError naming the variable
     for anything else."""
@@ -120,9 +161,12 @@ def compose_setting(value: str | None, env: str) -> str:
 
 
 def check_settings(environ) -> None:
-    """Every partner's variable read as loading reads it: a bad value is refused before any weight is."""
-    for p in partners():
-        compose_setting(environ.get(p.env), p.env)
+    """Every partner's variable (and hopper's) read as loading reads it: a bad value is refused before any weight
+    is."""
+    from vllm_wna16_plugin.backends.hopper import ENV_COMPOSE as HOPPER_ENV
+
+    for env in (*(p.env for p in partners()), HOPPER_ENV):
+        compose_setting(environ.get(env), env)
 
 
 def compose_decision(
@@ -159,7 +203,9 @@ __all__ = [
     "compose_setting",
     "compose_with",
     "composable_with",
+    "hopper_composable",
     "partner",
     "partner_named",
     "partners",
+    "with_hopper",
 ]

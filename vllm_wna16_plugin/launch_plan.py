@@ -6,8 +6,9 @@ A pure function of the layer (MoEProblem: scheme, shapes, options), the batch si
 (kernels.options.DeviceSpec): no tensors and no GPU, so `vllm-wna16 doctor` prints it for a model
 on any machine and a CPU test sweeps it over real models' shapes. It composes the backends: the
 layer's backend is the oracle's (oracle.select_backend); under `auto` a `cuda` layer runs the batch
-sizes inside its measured crossover (crossover.py) on the CUDA kernel and the others on Triton, and a
-layer composed with a vLLM kernel (compose.py) hands that kernel the batches its rule takes. The
+sizes inside its measured crossover (crossover.py) on the CUDA kernel and the others on Triton, a
+layer composed with a vLLM kernel (compose.py) hands that kernel the batches its rule takes, and one that
+holds the hopper copy (compose.with_hopper) hands the hopper kernel the batches its rule takes. The
 kernel-level launch (configs.TritonLaunch or cuda_ops.CudaLaunch) is what the launcher runs: the
 same functions choose it whether a plan asks or the launcher does, so what doctor prints is what
 runs. Each GEMM row says where its numbers came from (a tuned file and its M, or a heuristic).
@@ -178,6 +179,22 @@ def _cuda_plan(problem: MoEProblem, m: int, device: DeviceSpec, layer_backend: s
     return LaunchPlan(m, "cuda", layer_backend, device, launch, tuple(rows), align, launch.programmatic, tuple(why))
 
 
+def _hopper_plan(problem: MoEProblem, m: int, device: DeviceSpec, layer_backend: str, why: list[str]) -> LaunchPlan:
+    from vllm_wna16_plugin.backends.base import pairs_per_expert
+    from vllm_wna16_plugin.kernels.hopper_ops import HopperLaunch, token_tile
+
+    rows = pairs_per_expert(problem, m)
+    launch = HopperLaunch(token_tile(rows))
+    source = f"hopper_ops.token_tile: {rows:.1f} rows per hit expert"
+    gemms = tuple(
+        GemmPlan(gemm, "cutlass grouped", (128, launch.tile, 64), form=form, tensor_descriptors="TMA", source=source)
+        for gemm, form in (("gate/up", "weights as the MMA's M, warp-specialised"), ("down", "weights as the MMA's M"))
+    )
+    why.append(f"{problem.activation} and the weighted sum in the plugin's own kernels between the grouped GEMMs")
+    return LaunchPlan(m, "hopper", layer_backend, device, launch, gemms, "plugin device routing (no host sync)",
+                      False, tuple(why))  # fmt: skip
+
+
 def plan(
     problem: MoEProblem,
     num_tokens: int,
@@ -212,6 +229,18 @@ def _plan(problem: MoEProblem, num_tokens: int, device: DeviceSpec, layer_backen
         why.append(p.why(problem, num_tokens, taken))
         if taken:
             return LaunchPlan(num_tokens, partner, layer_backend, device, why=tuple(why))
+    if problem.options.hopper and layer_backend in COMPOSABLE and not problem.options.explicit:
+        from vllm_wna16_plugin.backends.base import pairs_per_expert
+        from vllm_wna16_plugin.backends.hopper import HOPPER_MIN_ROWS, HOPPER_RULE_SOURCE, hopper_takes
+
+        taken = hopper_takes(problem, num_tokens, device)
+        rows = pairs_per_expert(problem, num_tokens)
+        why.append(f"M={num_tokens}: {rows:.1f} rows per hit expert {'>=' if taken else '<'} {HOPPER_MIN_ROWS:g}: "
+                   f"{'hopper' if taken else 'not hopper'} ({HOPPER_RULE_SOURCE})")  # fmt: skip
+        if taken:
+            return _hopper_plan(problem, num_tokens, device, layer_backend, why)
+    if layer_backend == "hopper":
+        return _hopper_plan(problem, num_tokens, device, layer_backend, why)
     if layer_backend == "cuda" and not problem.options.explicit:
         from vllm_wna16_plugin.backends.cuda import layer_ranges
 
@@ -231,12 +260,14 @@ def _plan(problem: MoEProblem, num_tokens: int, device: DeviceSpec, layer_backen
 
 
 def plan_backends(selection: Selection) -> tuple[str, ...]:
-    """The backends a layer's plans can name: its own, triton for a `cuda` layer under auto, and the vLLM
-    kernel it is composed with (compose.py)."""
+    """The backends a layer's plans can name: its own, triton for a `cuda` layer under auto, the vLLM
+    kernel it is composed with and the hopper kernel where it holds that copy (compose.py)."""
     name, options = selection.backend.name, selection.problem.options
     names = ("cuda", "triton") if name == "cuda" and not options.explicit else (name,)
     if options.compose_with and name in COMPOSABLE and not options.explicit:
         names += (options.compose_with,)
+    if options.hopper and name in COMPOSABLE and not options.explicit:
+        names += ("hopper",)
     return names
 
 

@@ -303,55 +303,77 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
 
         def _compose(self, layer) -> None:
             """Under auto, let vLLM's own kernel for the layer (compose.py: Humming where installed, else Marlin)
-            take the batch sizes its rule says it runs faster, when the layer's second copy fits
-            (compose.compose_decision)."""
+            take the batch sizes its rule says it runs faster, and the plugin's hopper kernel the ones its rule
+            takes, each when its copy of the layer fits (compose.compose_decision)."""
             import os
 
-            if self.selection.problem.options.compose_with:
-                return
-            partner, _ = compose.partner(self.selection)
-            if partner is None:
+            if self.selection.problem.options.compose_with or self.selection.problem.options.hopper:
                 return
             device = self.tensors.w13_qweight.device
-            copy = partner.copy_bytes(self.problem)
-            free, total = torch.cuda.mem_get_info(device)
-            used = torch.cuda.memory_reserved(device)
-            composed, why = compose.compose_decision(
-                os.environ.get(partner.env), copy, used, free, total,
-                getattr(self, "memory_utilization", _vllm.DEFAULT_GPU_MEMORY_UTILIZATION), partner.env,
-            )  # fmt: skip
-            key = f"compose|{partner.backend}|{self.problem.describe()}|{composed}"
-            if key not in _LOGGED:
-                _LOGGED.add(key)
+            utilization = getattr(self, "memory_utilization", _vllm.DEFAULT_GPU_MEMORY_UTILIZATION)
+            added = 0  # bytes of the copies decided so far, not yet allocated
+            partner, _ = compose.partner(self.selection)
+            if partner is not None:
+                copy = partner.copy_bytes(self.problem)
+                free, total = torch.cuda.mem_get_info(device)
+                used = torch.cuda.memory_reserved(device)
+                composed, why = compose.compose_decision(
+                    os.environ.get(partner.env), copy, used, free, total, utilization, partner.env
+                )
+                self._log_compose(partner.backend, partner.label, partner.env, composed, copy, why)
                 if composed:
-                    logger.info(
-                        "moe_wna16_plus: %s: the batch sizes %s runs faster (its rule in the plugin) run on %s "
-                        "(vLLM's default here); the layer keeps a second copy of its experts in %s's layout "
-                        "(%.2f GiB; %s). %s=0 keeps one copy.",
-                        self.prefix, partner.label, partner.label, partner.label, copy / 2**30, why, partner.env,
-                    )  # fmt: skip
-                else:
-                    logger.info("moe_wna16_plus: %s: not composed with %s (%s)", self.prefix, partner.label, why)
+                    self.selection = compose.compose_with(self.selection, partner.backend)
+                    self.problem = self.selection.problem
+                    added = copy
+            if compose.hopper_composable(self.selection) is None:
+                from vllm_wna16_plugin.backends.hopper import ENV_COMPOSE, hopper_copy_bytes
+
+                copy = hopper_copy_bytes(self.problem)
+                free, total = torch.cuda.mem_get_info(device)
+                used = torch.cuda.memory_reserved(device) + added
+                composed, why = compose.compose_decision(
+                    os.environ.get(ENV_COMPOSE), copy, used, free - added, total, utilization, ENV_COMPOSE
+                )
+                self._log_compose("hopper", "the hopper kernel", ENV_COMPOSE, composed, copy, why)
+                if composed:
+                    self.selection = compose.with_hopper(self.selection)
+                    self.problem = self.selection.problem
+
+        def _log_compose(self, backend: str, label: str, env: str, composed: bool, copy: int, why: str) -> None:
+            key = f"compose|{backend}|{self.problem.describe()}|{composed}"
+            if key in _LOGGED:
+                return
+            _LOGGED.add(key)
             if composed:
-                self.selection = compose.compose_with(self.selection, partner.backend)
-                self.problem = self.selection.problem
+                where = " (vLLM's default here)" if backend != "hopper" else ""
+                logger.info(
+                    "moe_wna16_plus: %s: the batch sizes %s runs faster (its rule in the plugin) run on %s%s; the "
+                    "layer keeps a second copy of its experts in %s's layout (%.2f GiB; %s). %s=0 keeps one copy.",
+                    self.prefix, label, label, where, label, copy / 2**30, why, env,
+                )  # fmt: skip
+            else:
+                logger.info("moe_wna16_plus: %s: not composed with %s (%s)", self.prefix, label, why)
 
         def _build_runner(self) -> LayerRunner:
-            """The layer's runner; a composed layer whose partner cannot be prepared (a compile or memory failure
-            in humming-kernels, say) falls back to the plugin's kernels alone, with a warning."""
+            """The layer's runner; a composed layer whose partner or hopper copy cannot be prepared (a compile or
+            memory failure, say) falls back to the plugin's kernels alone, with a warning."""
             try:
                 return LayerRunner(self.selection, self.tensors)
             except Exception as exc:  # noqa: BLE001 - a partner's prepare is not ours to trust at load
-                name = self.selection.problem.options.compose_with
-                if not name:
+                options = self.selection.problem.options
+                if not (options.compose_with or options.hopper):
                     raise
+                names = [compose.partner_named(options.compose_with).label] if options.compose_with else []
+                names += ["the hopper kernel"] if options.hopper else []
                 logger.warning(
                     "moe_wna16_plus: %s: %s could not be prepared (%s: %s); the layer runs the plugin's "
-                    "kernels at every batch size", self.prefix, compose.partner_named(name).label,
+                    "cuda / triton kernels at every batch size", self.prefix, " and ".join(names),
                     type(exc).__name__, exc,
                 )  # fmt: skip
                 problem = self.selection.problem
-                plain = dataclasses.replace(problem, options=dataclasses.replace(problem.options, compose_with=None))
+                plain = dataclasses.replace(
+                    problem, options=dataclasses.replace(problem.options, compose_with=None, hopper=False)
+                )
                 self.selection = dataclasses.replace(self.selection, problem=plain)
                 self.problem = plain
                 return LayerRunner(self.selection, self.tensors)

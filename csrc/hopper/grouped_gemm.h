@@ -9,7 +9,7 @@
 namespace wna16_hopper {
 
 // the token-tile widths built (the MMA's N side; the weights take 128 rows a tile)
-constexpr int kTileWidths[] = {16, 32, 64, 128, 256};
+constexpr int kTileWidths[] = {32, 64, 128, 256};
 
 struct GroupedArgs {
   int num_groups = 0;

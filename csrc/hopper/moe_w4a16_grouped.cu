@@ -13,7 +13,8 @@
 // made signed (q - 8: XOR 0x8 per nibble, CUTLASS's int4b_t) and reordered per expert at prepare
 // (prepare_weights); scales (E, G, N), N contiguous (the plugin's (E, N, G) transposed by the caller).
 // Issue 23's prototype: bench/hopper_probe.py builds it with torch's JIT (CUTLASS headers from the
-// nvidia-cutlass wheel); not yet built by setup.py nor run by a backend (docs/perf/hopper-path.md).
+// nvidia-cutlass wheel); setup.py builds it as vllm_wna16_plugin._hopper where CUTLASS is found, and the
+// `hopper` backend runs it (kernels/hopper_ops.py; docs/perf/hopper-path.md).
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,12 +24,10 @@
 
 namespace wna16_hopper {
 
-extern template size_t grouped_workspace_bytes<16>(const GroupedArgs&);
 extern template size_t grouped_workspace_bytes<32>(const GroupedArgs&);
 extern template size_t grouped_workspace_bytes<64>(const GroupedArgs&);
 extern template size_t grouped_workspace_bytes<128>(const GroupedArgs&);
 extern template size_t grouped_workspace_bytes<256>(const GroupedArgs&);
-extern template const char* run_grouped<16>(const GroupedArgs&);
 extern template const char* run_grouped<32>(const GroupedArgs&);
 extern template const char* run_grouped<64>(const GroupedArgs&);
 extern template const char* run_grouped<128>(const GroupedArgs&);
@@ -172,28 +171,52 @@ __global__ void gather_rows_kernel(const int4* __restrict__ x, const int32_t* __
   for (int v = threadIdx.x; v < vecs_per_row; v += blockDim.x) dst[v] = src[v];
 }
 
-// a2[r, i] = silu(h[r, i]) * h[r, I + i], in float, rounded to bf16 once
-__global__ void silu_mul_kernel(const __nv_bfloat16* __restrict__ h, __nv_bfloat16* __restrict__ a2, int inter) {
+// eight bf16 values, one 16-byte load or store
+union Bf16x8 {
+  int4 vec;
+  __nv_bfloat162 pair[4];
+};
+
+// a2[r, i] = silu(h[r, i]) * h[r, I + i], in float, rounded to bf16 once: one block per row, eight values a
+// thread (I % 8 == 0)
+__global__ void silu_mul_kernel(const int4* __restrict__ h, int4* __restrict__ a2, int vecs_per_half) {
   const int64_t row = blockIdx.x;
-  const __nv_bfloat16* gate = h + row * 2 * inter;
-  for (int i = threadIdx.x; i < inter; i += blockDim.x) {
-    const float g = __bfloat162float(gate[i]);
-    const float u = __bfloat162float(gate[inter + i]);
-    a2[row * inter + i] = __float2bfloat16(g / (1.0f + __expf(-g)) * u);
+  const int4* gate = h + row * 2 * vecs_per_half;
+  for (int v = threadIdx.x; v < vecs_per_half; v += blockDim.x) {
+    Bf16x8 g, u, o;
+    g.vec = gate[v];
+    u.vec = gate[vecs_per_half + v];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 gf = __bfloat1622float2(g.pair[j]), uf = __bfloat1622float2(u.pair[j]);
+      o.pair[j] = __floats2bfloat162_rn(gf.x / (1.0f + __expf(-gf.x)) * uf.x, gf.y / (1.0f + __expf(-gf.y)) * uf.y);
+    }
+    a2[row * vecs_per_half + v] = o.vec;
   }
 }
 
-// out[t, :] = sum_j w[t, j] * d2[pair_row[t * top_k + j], :] in float: one block per token
-__global__ void combine_kernel(const __nv_bfloat16* __restrict__ d2, const int32_t* __restrict__ pair_row,
-                               const float* __restrict__ topk_w, __nv_bfloat16* __restrict__ out, int top_k,
-                               int hidden) {
+// out[t, :] = sum_j w[t, j] * d2[pair_row[t * top_k + j], :] in float: one block per token, eight values a
+// thread (H % 8 == 0)
+__global__ void combine_kernel(const int4* __restrict__ d2, const int32_t* __restrict__ pair_row,
+                               const float* __restrict__ topk_w, int4* __restrict__ out, int top_k, int vecs_per_row) {
   const int64_t t = blockIdx.x;
-  for (int h = threadIdx.x; h < hidden; h += blockDim.x) {
-    float acc = 0.0f;
+  for (int v = threadIdx.x; v < vecs_per_row; v += blockDim.x) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int j = 0; j < top_k; ++j) {
-      acc += topk_w[t * top_k + j] * __bfloat162float(d2[int64_t(pair_row[t * top_k + j]) * hidden + h]);
+      const float w = topk_w[t * top_k + j];
+      Bf16x8 d;
+      d.vec = d2[int64_t(pair_row[t * top_k + j]) * vecs_per_row + v];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float2 f = __bfloat1622float2(d.pair[q]);
+        acc[2 * q] += w * f.x;
+        acc[2 * q + 1] += w * f.y;
+      }
     }
-    out[t * hidden + h] = __float2bfloat16(acc);
+    Bf16x8 o;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) o.pair[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+    out[t * vecs_per_row + v] = o.vec;
   }
 }
 
@@ -216,12 +239,11 @@ static void launch_tile(GroupedArgs& g, const torch::Device& device) {
 
 static void launch(GroupedArgs& g, int tile, const torch::Device& device) {
   switch (tile) {
-    case 16: return launch_tile<16>(g, device);
     case 32: return launch_tile<32>(g, device);
     case 64: return launch_tile<64>(g, device);
     case 128: return launch_tile<128>(g, device);
     case 256: return launch_tile<256>(g, device);
-    default: TORCH_CHECK(false, "tile ", tile, " is not one of 16, 32, 64, 128, 256");
+    default: TORCH_CHECK(false, "tile ", tile, " is not one of 32, 64, 128, 256");
   }
 }
 
@@ -264,8 +286,6 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
     g[i].d = reinterpret_cast<ElementD**>(p64 + (i * 4 + 3) * E);
     g[i].problem = pr + i * E;
   }
-  auto bf = [](const torch::Tensor& t) { return reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()); };
-  auto bf_mut = [](torch::Tensor& t) { return reinterpret_cast<__nv_bfloat16*>(t.data_ptr()); };
   route_kernel<<<1, 1024, 2 * E * sizeof(int32_t), stream>>>(
       topk_ids.data_ptr<int32_t>(), int(pairs), int(top_k), int(E), int(N1), int(H), int(N2), int(K2), int(G1),
       int(G2), pair_row.data_ptr<int32_t>(), row_token.data_ptr<int32_t>(), w13.data_ptr<uint8_t>(),
@@ -289,7 +309,8 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
   for (int i = 0; i < 2; ++i) {
     if (i == 1) {
       if (stages < 4) return out;
-      silu_mul_kernel<<<int(pairs), 256, 0, stream>>>(bf(d1), bf_mut(a2), int(I));
+      silu_mul_kernel<<<int(pairs), 128, 0, stream>>>(reinterpret_cast<const int4*>(d1.data_ptr()),
+                                                      reinterpret_cast<int4*>(a2.data_ptr()), int(I / 8));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (stages < 5) return out;
     }
@@ -312,8 +333,9 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
     launch(args, int(tiles[i]), x.device());
   }
   if (stages < 6) return out;
-  combine_kernel<<<int(M), 256, 0, stream>>>(bf(d2), pair_row.data_ptr<int32_t>(), topk_w.data_ptr<float>(),
-                                             bf_mut(out), int(top_k), int(H));
+  combine_kernel<<<int(M), 128, 0, stream>>>(reinterpret_cast<const int4*>(d2.data_ptr()),
+                                             pair_row.data_ptr<int32_t>(), topk_w.data_ptr<float>(),
+                                             reinterpret_cast<int4*>(out.data_ptr()), int(top_k), int(H / 8));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -25,13 +25,15 @@ class RunOptions:
     switches (kernels.options.KernelOptions: tensor descriptors, int4 dot forms, CUDA kernel forms).
     compose_with: the vLLM backend ("humming" or "marlin") that auto's cuda / triton layer also holds a copy of
     its weights for and hands the batches that backend's rule gives it (compose.py; compose.compose_with sets it).
-    None: the plugin's kernels run every batch."""
+    None: the plugin's kernels run every batch. hopper: auto's cuda / triton layer also holds the hopper kernel's
+    copy and hands it the batches backends/hopper.py's rule gives it (compose.with_hopper sets it)."""
 
     explicit: bool = False
     plan_only: bool = False
     device_name: str | None = None
     kernel: KernelOptions = DEFAULT_OPTIONS
     compose_with: str | None = None
+    hopper: bool = False
 
 
 @dataclass(frozen=True)

@@ -663,7 +663,28 @@ def _composition(device, selection) -> list[str]:
                  if launch_plan(composed.problem, m, device, selection=composed).backend == p.backend]  # fmt: skip
         lines.append(f"composed with {p.label} {_PARTNER_WHERE[p.backend]} and memory allows ({p.env}): "
                      f"M={', '.join(map(str, takes))} run on {p.label}, the others as above")  # fmt: skip
-    return lines
+    return lines + [_hopper_line(device, selection)]
+
+
+def _hopper_line(device, selection) -> str:
+    """Which batch sizes auto hands the plugin's hopper kernel (backends/hopper.py) where its copy fits, beside a
+    partner (whose batches come first), or why it never does; and whether this install built the kernel."""
+    import os
+
+    from vllm_wna16_plugin.backends.hopper import ENV_COMPOSE
+    from vllm_wna16_plugin.kernels.hopper_ops import extension_error
+
+    built = extension_error()
+    here = "built in this install" if built is None else f"this install: {built}"
+    if why_not := compose.hopper_composable(selection):
+        return f"with the hopper kernel: no ({why_not})"
+    if compose.compose_setting(os.environ.get(ENV_COMPOSE), ENV_COMPOSE) == "off":
+        return f"with the hopper kernel: no ({ENV_COMPOSE}={os.environ.get(ENV_COMPOSE)})"
+    composed = compose.with_hopper(selection)
+    takes = [m for m in BATCH_SIZES
+             if launch_plan(composed.problem, m, device, selection=composed).backend == "hopper"]  # fmt: skip
+    return (f"with the hopper kernel where memory allows ({ENV_COMPOSE}; {here}): M={', '.join(map(str, takes))} "
+            "run on hopper when no partner above takes them")  # fmt: skip
 
 
 def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_configs: bool = True,

@@ -1,7 +1,0 @@
-// The grouped GEMM with a 16-token tile (grouped_gemm.cuh): one translation unit per width, built in parallel.
-#include "grouped_gemm.cuh"
-
-namespace wna16_hopper {
-template size_t grouped_workspace_bytes<16>(const GroupedArgs&);
-template const char* run_grouped<16>(const GroupedArgs&);
-}  // namespace wna16_hopper

@@ -1,0 +1,161 @@
+"""The hopper backend (CUTLASS's sm90 grouped GEMM, kernels/hopper_ops.py) against the float reference on an sm90
+GPU with the extension built (skipped elsewhere): every token tile, group sizes 64 / 128 and channel-wise, experts
+with no rows, M from 1 to prefill, CUDA-graph capture and replay on new inputs, auto's plan handing it the batches
+its rule takes, and compute-sanitizer memcheck / racecheck of its kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.kernels.conftest import assert_close_scaled, make_moe_problem
+from vllm_wna16_plugin.backends import KernelTensors, RunOptions
+from vllm_wna16_plugin.ops import fused_moe_wna16, make_problem
+from vllm_wna16_plugin.reference import fused_moe_wna16_ref
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+def _skip_without_hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm90 GPU")
+    from vllm_wna16_plugin.kernels.hopper_ops import extension_error
+
+    if reason := extension_error():
+        pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True)
+def _hopper():
+    _skip_without_hopper()
+
+
+def _cuda(p):
+    args = [t.cuda() for t in p.args()]
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in p.kwargs().items()}
+    return args, kw
+
+
+CASES = [
+    # (H, I, E, top_k, gs)
+    pytest.param(1024, 512, 8, 2, 128, id="e8-gs128"),
+    pytest.param(2048, 768, 16, 8, 64, id="e16-gs64"),
+    pytest.param(1024, 256, 8, 2, -1, id="channelwise"),
+    pytest.param(2048, 192, 64, 4, 64, id="e64-i192"),  # many experts without rows at small M
+]
+
+
+@pytest.mark.parametrize("M", [1, 5, 64, 300, 1100])
+@pytest.mark.parametrize("H, I, E, top_k, gs", CASES)
+def test_hopper_matches_reference(H, I, E, top_k, gs, M):  # noqa: E741
+    p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=4, gs1=gs, seed=M + E)
+    args, kw = _cuda(p)
+    ref = fused_moe_wna16_ref(*args, **kw).cpu()
+    out = fused_moe_wna16(*args, group_size=gs, backend="hopper", **kw)
+    torch.cuda.synchronize()
+    assert_close_scaled(out.cpu(), ref, BF16, f"hopper M={M}")
+
+
+@pytest.mark.parametrize("tile", [32, 64, 128, 256])
+def test_every_token_tile_matches_reference(tile):
+    from vllm_wna16_plugin.kernels import hopper_ops
+
+    p = make_moe_problem(M=200, H=1024, I=512, E=8, top_k=2, bits=4, gs1=128, seed=tile)
+    args, kw = _cuda(p)
+    x, w13, w2, s13, s2, topk_w, topk_ids = args
+    state = hopper_ops.prepare(w13, w2, s13, s2, 128, 128)
+    out = hopper_ops.fused_moe_hopper(x, state, topk_w, topk_ids, hopper_ops.HopperLaunch(tile))
+    assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), BF16, f"tile {tile}")
+
+
+def _runner(args, *, hopper: bool, explicit: bool):
+    from vllm_wna16_plugin import compose
+    from vllm_wna16_plugin.launch_plan import LayerRunner
+    from vllm_wna16_plugin.oracle import select_backend
+
+    x, w13, w2, s13, s2, _, topk_ids = args
+    problem = make_problem(x, w13, w2, s13, s2, topk_ids, bits=4, group_size=128, has_zero_point=False)
+    if explicit:
+        selection = select_backend(problem, "hopper", "test")
+    else:
+        selection = select_backend(dataclasses.replace(problem, options=RunOptions()))
+        assert compose.hopper_composable(selection) is None
+        selection = compose.with_hopper(selection) if hopper else selection
+    return LayerRunner(selection, KernelTensors(w13, w2, s13, s2))
+
+
+def test_cuda_graph_replays_on_new_inputs():
+    M, H, I, E, top_k = 64, 1024, 512, 8, 2  # noqa: E741
+    p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=4, gs1=128, seed=3)
+    args, kw = _cuda(p)
+    runner = _runner(args, hopper=True, explicit=True)
+    x, topk_w, topk_ids = args[0].clone(), args[5].clone(), args[6].clone()
+    runner.run(x, topk_w, topk_ids)  # warm-up outside the capture (workspace, lazy loads)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = runner.run(x, topk_w, topk_ids)
+    q = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=4, gs1=128, seed=4)  # same weights, new inputs
+    new = [t.cuda() for t in q.args()]
+    x.copy_(new[0])
+    topk_w.copy_(new[5])
+    topk_ids.copy_(new[6])
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = fused_moe_wna16_ref(x, *args[1:5], topk_w, topk_ids, **kw).cpu()
+    assert_close_scaled(out.cpu(), ref, BF16, "graph replay on new inputs")
+
+
+def test_auto_with_hopper_hands_it_the_batches_its_rule_takes(monkeypatch):
+    from vllm_wna16_plugin.backends import hopper
+
+    ran = []
+    real = hopper.HopperBackend.run
+    monkeypatch.setattr(hopper.HopperBackend, "run", lambda self, *a, **k: ran.append("hopper") or real(self, *a, **k))
+    for M in (2, 512):
+        p = make_moe_problem(M=M, H=1024, I=512, E=8, top_k=2, bits=4, gs1=128, seed=M)
+        args, kw = _cuda(p)
+        runner = _runner(args, hopper=True, explicit=False)
+        taken = runner.plan(M).backend == "hopper"
+        assert taken == hopper.hopper_takes(runner.problem, M, runner.device)
+        out = runner.run(args[0], args[5], args[6])
+        assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), BF16, f"auto+hopper M={M}")
+    assert ran == ["hopper"]  # M=2: 0.5 rows per expert (the plugin's); M=512: 128 rows (hopper's)
+
+
+SANITIZED = textwrap.dedent(
+    """
+    import torch
+    from tests.kernels.conftest import make_moe_problem
+    from vllm_wna16_plugin.kernels import hopper_ops
+    p = make_moe_problem(M=40, H=1024, I=256, E=8, top_k=2, bits=4, gs1=128, seed=1)
+    x, w13, w2, s13, s2, w, ids = [t.cuda() for t in p.args()]
+    state = hopper_ops.prepare(w13, w2, s13, s2, 128, 128)
+    for tile in hopper_ops.TILE_WIDTHS:
+        hopper_ops.fused_moe_hopper(x, state, w, ids, hopper_ops.HopperLaunch(tile))
+    torch.cuda.synchronize()
+    """
+)
+
+
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_compute_sanitizer_is_clean(tool):
+    exe = shutil.which("compute-sanitizer") or (
+        "/usr/local/cuda/bin/compute-sanitizer" if os.path.exists("/usr/local/cuda/bin/compute-sanitizer") else None
+    )
+    if exe is None:
+        pytest.skip("compute-sanitizer is not on PATH")
+    cmd = [exe, f"--tool={tool}", "--error-exitcode=99", sys.executable, "-c", SANITIZED]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=os.getcwd())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = proc.stdout + proc.stderr
+    assert "ERROR SUMMARY: 0 errors" in summary or "(0 errors, 0 warnings)" in summary, summary[-2000:]

@@ -1,0 +1,151 @@
+"""The hopper backend's rules on CPU: its scope (what the sm90 extension is built for), the token tile chosen by rows
+per expert, when auto's plan hands it a batch, the copy it adds, and the plan and doctor lines that name it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from vllm_wna16_plugin import compose
+from vllm_wna16_plugin.backends import RunOptions
+from vllm_wna16_plugin.backends.base import MoEProblem, expert_bytes, pairs_per_expert
+from vllm_wna16_plugin.backends.hopper import (
+    HOPPER_MIN_ROWS,
+    HopperBackend,
+    hopper_copy_bytes,
+    hopper_scope,
+    hopper_takes,
+)
+from vllm_wna16_plugin.kernels.hopper_ops import TILE_WIDTHS, token_tile
+from vllm_wna16_plugin.kernels.options import DeviceSpec
+from vllm_wna16_plugin.launch_plan import plan, plan_backends
+from vllm_wna16_plugin.oracle import select_backend
+from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
+
+SM90 = DeviceSpec("cuda", 90)
+
+
+def _problem(E=8, top_k=2, H=4096, I=3584, gs=128, **kw) -> MoEProblem:  # noqa: N803, E741
+    scheme = kw.pop("scheme", None) or WNA16Scheme(bits=4, group_size=gs, has_zero_point=False, pack_format=PackFormat.GPTQ)
+    return MoEProblem(scheme=scheme, hidden=H, intermediate=I, num_experts=E, global_num_experts=E, top_k=top_k,
+                      group_size_w13=gs if gs > 0 else H, group_size_w2=gs if gs > 0 else I, platform="cuda", sm=90,
+                      options=RunOptions(plan_only=True), **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rows", "tile"),
+    [(0.5, 32), (4, 32), (16, 32), (17, 64), (32, 64), (33, 128), (64, 128), (256, 128), (511, 128), (512, 256),
+     (1024, 256)],  # fmt: skip
+)
+def test_token_tile_by_rows_per_expert(rows, tile):
+    assert token_tile(rows) == tile
+    assert tile in TILE_WIDTHS
+
+
+def test_token_tile_matches_the_measured_best_tiles():
+    # (rows per hit expert, the fastest tile in the layer) from 2026-12-06-49d5aac-hopper-breakdown.json (H100)
+    measured = [(16, 32), (32, 64), (64, 128), (128, 128), (256, 128), (1024, 256)]
+    assert [token_tile(r) for r, _ in measured] == [t for _, t in measured]
+
+
+def test_scope_takes_a_real_models_layer():
+    assert hopper_scope(_problem(), SM90) is None
+    assert hopper_scope(_problem(gs=-1), SM90) is None  # channel-wise
+    assert hopper_scope(_problem(E=128, top_k=8, H=2048, I=768, gs=64), SM90) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (dict(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ)), "int4 symmetric"),
+        (dict(scheme=WNA16Scheme(bits=4, group_size=128, has_zero_point=True, pack_format=PackFormat.AWQ)), "int4 symmetric"),
+        (dict(has_g_idx=True), "act order"),
+        (dict(act_dtype=torch.float16), "bfloat16"),
+        (dict(activation="gelu"), "silu"),
+        (dict(use_ep=True), "expert parallelism"),
+        (dict(apply_router_weight_on_input=True), "apply_router_weight_on_input"),
+        (dict(I=96), "N=192"),  # Qwen3-30B-A3B at TP 8: 2I = 192 rows, not whole weight tiles
+        (dict(H=4032, gs=64), "N=4032"),  # K=4032 takes 64-wide K tiles; GEMM2's N=4032 is not whole 128-row tiles
+        (dict(I=1344), "group size 128"),  # K=1344 = 10.5 groups of 128
+        (dict(gs=32), "group size 32"),
+    ],
+)
+def test_scope_refuses_what_the_kernel_is_not_built_for(change, needle):
+    reason = hopper_scope(_problem(**change), SM90)
+    assert reason and needle in reason, reason
+
+
+@pytest.mark.parametrize("device", [DeviceSpec("cuda", 80), DeviceSpec("cuda", 100), DeviceSpec("cpu", None)])
+def test_scope_is_sm90_only(device):
+    assert "sm90" in hopper_scope(_problem(), device)
+
+
+def test_rule_takes_batches_from_its_rows_per_expert():
+    p = _problem()  # Mixtral-8x7B at TP 4
+    for m in (1, 8, 64, 128, 256, 1024, 4096):
+        assert hopper_takes(p, m, SM90) == (pairs_per_expert(p, m) >= HOPPER_MIN_ROWS)
+    assert not hopper_takes(p, 1, SM90) and hopper_takes(p, 4096, SM90)
+    assert not hopper_takes(_problem(gs=32), 4096, SM90)  # out of scope: never
+
+
+def test_copy_is_one_more_set_of_the_experts_int4_weights_and_scales():
+    p = _problem()
+    assert hopper_copy_bytes(p) == int(p.num_experts * expert_bytes(p))
+    e, h, i = 8, 4096, 3584
+    assert hopper_copy_bytes(p) == e * (3 * h * i // 2 + 2 * (2 * i * h // 128 + h * i // 128))
+
+
+def test_auto_never_picks_hopper_alone_but_an_explicit_request_does():
+    p = _problem()
+    assert "beside" in HopperBackend().incompatibility_reason(p)
+    explicit = dataclasses.replace(p, options=RunOptions(plan_only=True, explicit=True))
+    assert HopperBackend().incompatibility_reason(explicit) is None
+    assert select_backend(p).backend.name in ("cuda", "triton")
+    sel = select_backend(p, "hopper", "test")
+    assert sel.backend.name == "hopper"
+    assert {plan(sel.problem, m, SM90, selection=sel).backend for m in (1, 64, 4096)} == {"hopper"}
+
+
+def test_auto_with_the_hopper_copy_plans_it_where_its_rule_takes():
+    sel = select_backend(_problem())
+    assert compose.hopper_composable(sel) is None
+    composed = compose.with_hopper(sel)
+    assert "hopper" in plan_backends(composed) and "hopper" not in plan_backends(sel)
+    for m in (1, 4, 16, 64, 256, 1024, 4096):
+        p = plan(composed.problem, m, SM90, selection=composed)
+        want = hopper_takes(composed.problem, m, SM90)
+        assert (p.backend == "hopper") == want, (m, p.backend)
+        if want:
+            assert p.launch.tile == token_tile(pairs_per_expert(composed.problem, m))
+            assert any("hopper rule" in w for w in p.why)
+            assert p.gemms[0].tile == (128, p.launch.tile, 64)
+        else:
+            assert p.backend in ("cuda", "triton")
+
+
+def test_a_partners_batches_come_before_hoppers():
+    sel = select_backend(_problem())
+    composed = compose.with_hopper(compose.compose_with(sel, "marlin"))
+    from vllm_wna16_plugin.backends.marlin import marlin_takes
+
+    for m in (64, 128, 256, 512, 1024):
+        backend = plan(composed.problem, m, SM90, selection=composed).backend
+        if marlin_takes(composed.problem, m, SM90):
+            assert backend == "marlin"
+        elif hopper_takes(composed.problem, m, SM90):
+            assert backend == "hopper"
+
+
+def test_hopper_is_not_composed_where_out_of_scope_or_asked_for_another_backend():
+    assert "int4 symmetric" in compose.hopper_composable(
+        select_backend(_problem(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ)))
+    )
+    assert "as asked" in compose.hopper_composable(select_backend(_problem(), "triton", "test"))
+
+
+def test_the_hopper_variable_is_checked_as_loading_checks_it():
+    compose.check_settings({"VLLM_WNA16_PLUS_HOPPER": "0"})
+    with pytest.raises(ValueError, match="VLLM_WNA16_PLUS_HOPPER='maybe'"):
+        compose.check_settings({"VLLM_WNA16_PLUS_HOPPER": "maybe"})

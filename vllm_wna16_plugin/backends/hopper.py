@@ -1,0 +1,112 @@
+"""`hopper`: the plugin's sm90 grouped GEMM (CUTLASS: TMA, wgmma, warp-specialised, persistent over every expert's
+tiles; kernels/hopper_ops.py) for batches whose experts take tens of rows or more, up to prefill.
+
+Its rules: sm90 (the extension is built for sm90a only, where setup.py finds CUTLASS's headers), bfloat16
+activations, int4 symmetric weights in groups of a multiple of 64 or channel-wise, K (hidden, intermediate) a
+multiple of 64 and N (2 x intermediate, hidden) of 128, silu, no act order, no expert parallelism, the router's
+weights applied after the down projection. It holds its own copy of the experts (signed, reordered for the
+wgmma fragment: hopper_copy_bytes).
+
+`auto` never runs it alone: a layer on the plugin's kernels (cuda / triton) also holds the hopper copy, when
+memory allows (compose.py, VLLM_WNA16_PLUS_HOPPER), and the launch plan hands it the batches hopper_takes says it
+runs faster. Named explicitly (VLLM_WNA16_PLUS_BACKEND=hopper) it runs every batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_wna16_plugin.backends.base import (
+    Backend,
+    KernelTensors,
+    MoEProblem,
+    expert_bytes,
+    layer_device,
+    pairs_per_expert,
+)
+from vllm_wna16_plugin.kernels.hopper_ops import K_TILE, N_TILE
+
+ENV_COMPOSE = "VLLM_WNA16_PLUS_HOPPER"  # auto (default): hold the hopper copy while memory allows; 1: always; 0: never
+
+# ---------------------------------------------------------------- when auto hands a batch to hopper
+
+# Fitted on the development set (H100 and, where lent, H200; bench_moe.py plugin-hopper against the plugin's own
+# kernels in the same run): see HOPPER_RULE_SOURCE and docs/perf/hopper-path.md for the measured table.
+HOPPER_MIN_ROWS = 32.0  # rows per hit expert (base.pairs_per_expert) from which hopper's tiles win
+HOPPER_RULE_SOURCE = "hopper rule (backends/hopper.py)"
+
+
+def hopper_scope(problem: MoEProblem, device=None) -> str | None:
+    """Why the hopper kernel cannot run this layer (on `device`, default the layer's), or None when it can: what
+    the extension is built for (sm90a, bf16, int4 symmetric, K tile 64, weight tile 128 rows) and the layer
+    forms its launcher takes. Never raises."""
+    device = device or layer_device(problem)
+    if device.platform != "cuda" or device.sm != 90:
+        return f"built for sm90 only (device is {device.platform} sm{device.sm})"
+    scheme = problem.scheme
+    if scheme.bits != 4 or scheme.has_zero_point:
+        return f"int4 symmetric only (the layer is {scheme.describe()})"
+    if problem.has_g_idx:
+        return "act order (desc_act) is not supported by the hopper kernel"
+    if problem.act_dtype != torch.bfloat16:
+        return f"bfloat16 activations only (the layer's are {str(problem.act_dtype).removeprefix('torch.')})"
+    if problem.activation != "silu":
+        return f"activation {problem.activation!r}: the hopper kernel fuses silu only"
+    if problem.use_ep:
+        return "expert parallelism (the hopper kernel routes every id to a local expert)"
+    if problem.apply_router_weight_on_input:
+        return "apply_router_weight_on_input (the hopper kernel weights the down projection's output)"
+    h, i = problem.hidden, problem.intermediate
+    for name, k, n, gs in (("w13", h, 2 * i, problem.group_size_w13), ("w2", i, h, problem.group_size_w2)):
+        if k % K_TILE or n % N_TILE:
+            return f"{name}: K={k} must be a multiple of {K_TILE} and N={n} of {N_TILE}"
+        if gs % K_TILE or k % gs:
+            return f"{name}: group size {gs} must be a multiple of {K_TILE} dividing K={k} (or channel-wise)"
+    return None
+
+
+def hopper_takes(problem: MoEProblem, m: int, device) -> bool:
+    """Whether auto runs `m` tokens of this layer on hopper: rows per hit expert (base.pairs_per_expert) of at
+    least HOPPER_MIN_ROWS, where the kernel's scope (hopper_scope) holds."""
+    if hopper_scope(problem, device):
+        return False
+    return pairs_per_expert(problem, m) >= HOPPER_MIN_ROWS
+
+
+def hopper_copy_bytes(problem: MoEProblem) -> int:
+    """Bytes of the hopper copy of a layer: both GEMMs' int4 weights and bf16 scales of every local expert."""
+    return int(problem.num_experts * expert_bytes(problem))
+
+
+class HopperBackend(Backend):
+    name = "hopper"
+    description = (
+        "plugin sm90 grouped GEMM (csrc/hopper/, CUTLASS: TMA + wgmma, warp-specialised): int4 symmetric, bf16, "
+        "for tens of rows per expert up to prefill"
+    )
+
+    def incompatibility_reason(self, problem: MoEProblem) -> str | None:
+        if problem.platform != "cuda":
+            return f"needs an NVIDIA GPU (platform is {problem.platform})"
+        if reason := hopper_scope(problem):
+            return reason
+        if not problem.options.explicit:
+            return "auto runs it beside the plugin's other kernels for the batches its rule takes, not alone"
+        if problem.options.plan_only:
+            return None
+        from vllm_wna16_plugin.kernels.hopper_ops import extension_error
+
+        return extension_error()
+
+    def prepare(self, problem: MoEProblem, tensors: KernelTensors):
+        from vllm_wna16_plugin.kernels import hopper_ops
+
+        return hopper_ops.prepare(*tensors.weights(), problem.group_size_w13, problem.group_size_w2)
+
+    def run(self, problem: MoEProblem, state, x, topk_weights, topk_ids, *, expert_map=None, plan=None):
+        from vllm_wna16_plugin.kernels.hopper_ops import HopperLaunch, fused_moe_hopper, token_tile
+
+        launch = plan.launch if plan is not None and isinstance(plan.launch, HopperLaunch) else None
+        if launch is None:
+            launch = HopperLaunch(token_tile(pairs_per_expert(problem, max(1, x.shape[0]))))
+        return fused_moe_hopper(x, state, topk_weights, topk_ids, launch)

@@ -1,0 +1,135 @@
+"""The `hopper` backend's launcher: the routed-experts layer on CUTLASS's sm90 grouped int4 x bf16 GEMM
+(csrc/hopper/, built by setup.py as vllm_wna16_plugin._hopper where CUTLASS's headers are found):
+
+    route -> gather x into expert order -> grouped GEMM1 -> silu(gate) * up -> grouped GEMM2 -> weighted sum
+
+    D_e[j, n] = sum_k A_e[j, k] * s_e[k // g, n] * (q_e[n, k] - 8)      per expert e, for its rows j
+
+TMA loads, wgmma, one producer and two consumer warp groups, a persistent schedule over every expert's tiles
+(docs/perf/hopper-path.md). The weights are the MMA's M side (128 rows a tile), the routed rows its N side: the
+token tile's width (32, 64, 128 or 256; one build each) is chosen by the rows an expert takes (token_tile).
+The layer's copy (HopperState) holds the weights made signed and reordered for the wgmma fragment, and the
+scales group-major; everything the launch needs per batch is written on the device (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# the token-tile widths built (csrc/hopper/grouped_tile_<N>.cu)
+TILE_WIDTHS = (32, 64, 128, 256)
+# every K (H for GEMM1, I for GEMM2) and group size is a multiple of the K tile (64 bf16: one 128-byte row), and
+# every N (2I, H) of the weight tile's 128 rows
+K_TILE = 64
+N_TILE = 128
+
+
+def token_tile(rows_per_expert: float) -> int:
+    """The token-tile width for experts taking `rows_per_expert` routed rows on average:
+
+        tile = the narrowest of 32, 64, 128 holding 2 * rows (an expert's rows vary around the mean), and 256
+               from 512 rows (a whole 128 x 256 tile of wgmma per weight tile: the bf16 matmul rate)
+
+    Measured (H100, the layer with every tile at each M, 2026-12-06-49d5aac-hopper-breakdown.json: Mixtral-8x7B
+    and 8x22B at TP 4, Qwen3-30B-A3B, DeepSeek-V3 at TP 8): the best tile at 16 rows was 32 (Mixtral 142 against
+    172 µs with 16), at 32 rows 64, at 64-256 rows 128 (Mixtral M=256: 203 against 216 with 64; M=1024: 408
+    against 463 with 256), at 1024 rows 256 (1405 against 1455 with 128)."""
+    if rows_per_expert >= 512:
+        return 256
+    return next((t for t in TILE_WIDTHS[:-1] if t >= 2 * rows_per_expert), 128)
+
+
+@dataclass(frozen=True)
+class HopperLaunch:
+    """What the launcher runs for one batch: both GEMMs' token-tile width (token_tile)."""
+
+    tile: int
+
+
+@dataclass
+class HopperState:
+    """A layer's copy for the hopper kernel: w13 (E, 2I, H/2) and w2 (E, H, I/2) signed and reordered
+    (prepare_weights), scales (E, G, N) contiguous in the activation dtype, the per-expert strides and layouts of
+    both GEMMs (consts), and the group sizes."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    s13: torch.Tensor
+    s2: torch.Tensor
+    consts: torch.Tensor
+    group_w13: int
+    group_w2: int
+
+
+@functools.lru_cache(maxsize=1)
+def _extension():
+    import vllm_wna16_plugin._hopper as ext
+
+    return ext
+
+
+def extension_error() -> str | None:
+    """None when vllm_wna16_plugin._hopper loads, else why not (and how to build it)."""
+    try:
+        _extension()
+    except ImportError as exc:
+        if "undefined symbol" in str(exc):
+            return (
+                f"the plugin's hopper extension was built against another torch than {torch.__version__} ({exc}); "
+                "rebuild it here: pip install --no-build-isolation -e ."
+            )
+        return (
+            f"the plugin's hopper extension is not built ({exc}): it needs an sm90 build with CUTLASS's headers "
+            "(pip install --no-deps nvidia-cutlass==4.2.0.0, then pip install --no-build-isolation -e .)"
+        )
+    from vllm_wna16_plugin.kernels.cuda_ops import static_libstdcxx_error
+
+    return static_libstdcxx_error(_extension().__file__)
+
+
+def prepare(w13_qweight, w2_qweight, w13_scales, w2_scales, group_w13: int, group_w2: int) -> HopperState:
+    """The hopper copy of a layer in the plugin's kernel layout (int4, symmetric: uint8 (E, N, K/2), scales
+    (E, N, G)). A new copy of the weights (their signed, reordered form) and of the scales."""
+    ext = _extension()
+    e, n1, _ = w13_qweight.shape
+    h, inter = w2_qweight.shape[1], n1 // 2
+    s13 = w13_scales.transpose(1, 2).contiguous()
+    s2 = w2_scales.transpose(1, 2).contiguous()
+    consts = ext.layer_constants(e, n1, h, h, inter, s13.shape[1], s2.shape[1], w13_qweight.device)
+    return HopperState(
+        ext.prepare_weights(w13_qweight.contiguous()), ext.prepare_weights(w2_qweight.contiguous()),
+        s13, s2, consts, group_w13, group_w2,
+    )  # fmt: skip
+
+
+def fused_moe_hopper(
+    x: torch.Tensor,
+    state: HopperState,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    launch: HopperLaunch,
+) -> torch.Tensor:
+    """The layer for one batch: sum_j topk_weights[t, j] * down(silu(gate) * up)(x[t]) over expert topk_ids[t, j].
+    x (M, H) bf16; the router's ids must name this layer's experts (the backend refuses expert parallelism)."""
+    ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else topk_ids.to(torch.int32)
+    weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
+    return _extension().moe_forward(
+        x.contiguous(), ids.contiguous(), weights.contiguous(), state.w13, state.s13, state.w2, state.s2,
+        state.consts, state.group_w13, state.group_w2, launch.tile, launch.tile, 6,
+    )  # fmt: skip
+
+
+__all__ = [
+    "HopperLaunch",
+    "HopperState",
+    "K_TILE",
+    "N_TILE",
+    "TILE_WIDTHS",
+    "extension_error",
+    "fused_moe_hopper",
+    "prepare",
+    "token_tile",
+]

@@ -255,9 +255,10 @@ DELEGATED = {"vllm-marlin": "marlin", "vllm-humming": "humming"}
 # runs it when its second copy fits the device's memory; plugin-auto-marlin: composed with Marlin, as on a vLLM
 # without Humming (0.26-0.32)
 COMPOSED = {"auto-composed": "humming", "auto-marlin": "marlin"}
-# plugin-auto-hopper: auto with the hopper kernel's copy (compose.with_hopper), no vLLM partner; plugin-hopper runs
-# the hopper kernel at every batch size
-WITH_HOPPER = ("auto-hopper",)
+# plugin-auto-hopper: auto with the hopper kernel's copy (compose.with_hopper), no vLLM partner; -composed-hopper /
+# -marlin-hopper: beside that partner (what a layer loaded under auto runs on sm90 where the kernel is built);
+# plugin-hopper runs the hopper kernel at every batch size
+WITH_HOPPER = ("auto-hopper", "auto-composed-hopper", "auto-marlin-hopper")
 
 
 def layer_problem(x, w: Weights, topk_ids, gs: int, *, bits: int = 4, gs_w2: int | None = None) -> MoEProblem:
@@ -281,8 +282,8 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4
         name = "triton"
     problem = layer_problem(x, w, topk_ids, gs, bits=bits, gs_w2=gs_w2)
     problem = dataclasses.replace(problem, options=RunOptions(kernel=provider_options(prov)), has_g_idx=act_order)
-    partner = COMPOSED.get(name)
     hopper = name in WITH_HOPPER
+    partner = COMPOSED.get(name.removesuffix("-hopper") if hopper else name)
     name = "auto" if partner or hopper else name
     try:  # each provider but auto is asked for by name; auto is the oracle's pick with the shipped crossover
         selection = select_backend(problem, name, "provider")
@@ -452,7 +453,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "vllm-marlin,vllm-humming,bf16-dense",
         help="plugin-auto: the oracle's pick (cuda inside the shipped crossover, else triton); plugin-auto-composed: "
         "auto composed with Humming where installed; plugin-auto-marlin: composed with Marlin (a vLLM without Humming); "
-        "plugin-auto-hopper: auto with the hopper kernel's copy (its rule); plugin-hopper: the hopper kernel at every M; "
+        "plugin-auto-hopper, -composed-hopper, -marlin-hopper: auto with the hopper kernel's copy (its rule), beside no "
+        "partner / Humming / Marlin; plugin-hopper: the hopper kernel at every M; "
         "a plugin provider + '-ao': its act-order twin; plugin-triton-auto: "
         "the Triton backend with tuned TD; plugin-triton-alt: the same with --alt-config-dir's configs; "
         "plugin-triton / -td: pointer / TD loads forced; plugin-triton-split, "

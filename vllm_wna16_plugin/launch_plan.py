@@ -195,6 +195,18 @@ def _hopper_plan(problem: MoEProblem, m: int, device: DeviceSpec, layer_backend:
                       False, tuple(why))  # fmt: skip
 
 
+def _hopper_takes(problem: MoEProblem, m: int, device: DeviceSpec, why: list[str]) -> bool:
+    """backends/hopper.hopper_takes, with the plan's line saying what it read."""
+    from vllm_wna16_plugin.backends.base import pairs_per_expert
+    from vllm_wna16_plugin.backends.hopper import HOPPER_MIN_ROWS, HOPPER_RULE_SOURCE, hopper_takes
+
+    taken = hopper_takes(problem, m, device)
+    rows = pairs_per_expert(problem, m)
+    why.append(f"M={m}: {rows:.1f} rows per hit expert {'>=' if taken else '<'} {HOPPER_MIN_ROWS:g}: "
+               f"{'hopper' if taken else 'not hopper'} ({HOPPER_RULE_SOURCE})")  # fmt: skip
+    return taken
+
+
 def plan(
     problem: MoEProblem,
     num_tokens: int,
@@ -223,22 +235,22 @@ def _plan(problem: MoEProblem, num_tokens: int, device: DeviceSpec, layer_backen
     why = [f"layer backend {layer_backend!r} ({asked})"]
     runs = layer_backend
     partner = problem.options.compose_with
-    if partner and layer_backend in COMPOSABLE and not problem.options.explicit:
+    auto = layer_backend in COMPOSABLE and not problem.options.explicit
+    with_hopper = problem.options.hopper and auto
+    # the hopper rule goes before Marlin's (its tiles beat Marlin wherever it takes a batch), after Humming's
+    # (backends/hopper.py: HOPPER_BEFORE)
+    from vllm_wna16_plugin.backends.hopper import HOPPER_BEFORE
+
+    if with_hopper and partner in HOPPER_BEFORE and _hopper_takes(problem, num_tokens, device, why):
+        return _hopper_plan(problem, num_tokens, device, layer_backend, why)
+    if partner and auto:
         p = partner_named(partner)
         taken = p.takes(problem, num_tokens, device)
         why.append(p.why(problem, num_tokens, taken))
         if taken:
             return LaunchPlan(num_tokens, partner, layer_backend, device, why=tuple(why))
-    if problem.options.hopper and layer_backend in COMPOSABLE and not problem.options.explicit:
-        from vllm_wna16_plugin.backends.base import pairs_per_expert
-        from vllm_wna16_plugin.backends.hopper import HOPPER_MIN_ROWS, HOPPER_RULE_SOURCE, hopper_takes
-
-        taken = hopper_takes(problem, num_tokens, device)
-        rows = pairs_per_expert(problem, num_tokens)
-        why.append(f"M={num_tokens}: {rows:.1f} rows per hit expert {'>=' if taken else '<'} {HOPPER_MIN_ROWS:g}: "
-                   f"{'hopper' if taken else 'not hopper'} ({HOPPER_RULE_SOURCE})")  # fmt: skip
-        if taken:
-            return _hopper_plan(problem, num_tokens, device, layer_backend, why)
+    if with_hopper and partner not in HOPPER_BEFORE and _hopper_takes(problem, num_tokens, device, why):
+        return _hopper_plan(problem, num_tokens, device, layer_backend, why)
     if layer_backend == "hopper":
         return _hopper_plan(problem, num_tokens, device, layer_backend, why)
     if layer_backend == "cuda" and not problem.options.explicit:

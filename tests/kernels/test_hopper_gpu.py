@@ -45,21 +45,22 @@ def _cuda(p):
 
 
 CASES = [
-    # (H, I, E, top_k, gs)
-    pytest.param(1024, 512, 8, 2, 128, id="e8-gs128"),
-    pytest.param(2048, 768, 16, 8, 64, id="e16-gs64"),
-    pytest.param(1024, 256, 8, 2, -1, id="channelwise"),
-    pytest.param(2048, 192, 64, 4, 64, id="e64-i192"),  # many experts without rows at small M
+    # (H, I, E, top_k, gs, gs2)
+    pytest.param(1024, 512, 8, 2, 128, 128, id="e8-gs128"),
+    pytest.param(2048, 768, 16, 8, 64, 64, id="e16-gs64"),
+    pytest.param(1024, 256, 8, 2, -1, -1, id="channelwise"),
+    pytest.param(2048, 192, 64, 4, 64, 64, id="e64-i192"),  # many experts without rows at small M
+    pytest.param(2048, 192, 128, 8, 128, 64, id="qwen3-30b-tp4"),  # the down projection re-grouped to 64
 ]
 
 
-@pytest.mark.parametrize("M", [1, 5, 64, 300, 1100])
-@pytest.mark.parametrize("H, I, E, top_k, gs", CASES)
-def test_hopper_matches_reference(H, I, E, top_k, gs, M):  # noqa: E741
-    p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=4, gs1=gs, seed=M + E)
+@pytest.mark.parametrize("M", [1, 5, 32, 64, 300, 1024, 1100])
+@pytest.mark.parametrize("H, I, E, top_k, gs, gs2", CASES)
+def test_hopper_matches_reference(H, I, E, top_k, gs, gs2, M):  # noqa: E741
+    p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=4, gs1=gs, gs2=gs2, seed=M + E)
     args, kw = _cuda(p)
     ref = fused_moe_wna16_ref(*args, **kw).cpu()
-    out = fused_moe_wna16(*args, group_size=gs, backend="hopper", **kw)
+    out = fused_moe_wna16(*args, group_size=gs if gs == gs2 else (gs, gs2), backend="hopper", **kw)
     torch.cuda.synchronize()
     assert_close_scaled(out.cpu(), ref, BF16, f"hopper M={M}")
 

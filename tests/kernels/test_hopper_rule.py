@@ -90,11 +90,23 @@ def test_rule_takes_batches_from_its_rows_per_expert():
     assert not hopper_takes(_problem(gs=32), 4096, SM90)  # out of scope: never
 
 
-def test_copy_is_one_more_set_of_the_experts_int4_weights_and_scales():
-    p = _problem()
+def test_copy_is_one_more_set_of_the_experts_int4_weights_and_scales_in_groups_of_64():
+    p = _problem(gs=64)
     assert hopper_copy_bytes(p) == int(p.num_experts * expert_bytes(p))
     e, h, i = 8, 4096, 3584
-    assert hopper_copy_bytes(p) == e * (3 * h * i // 2 + 2 * (2 * i * h // 128 + h * i // 128))
+    assert hopper_copy_bytes(_problem()) == e * (3 * h * i // 2 + 2 * (2 * i * h // 64 + h * i // 64))
+
+
+@pytest.mark.parametrize("group", [64, 128, 256, 4096])
+def test_kernel_scales_repeat_each_group_over_its_k_tiles(group):
+    from vllm_wna16_plugin.kernels.hopper_ops import KERNEL_GROUP, kernel_scales
+
+    k, n = 4096, 256
+    scales = torch.randn(3, n, k // group)
+    table = kernel_scales(scales, group)
+    assert table.shape == (3, k // KERNEL_GROUP, n) and table.is_contiguous()
+    tile = torch.arange(k // KERNEL_GROUP)
+    assert torch.equal(table, scales[:, :, tile * KERNEL_GROUP // group].transpose(1, 2))
 
 
 def test_auto_never_picks_hopper_alone_but_an_explicit_request_does():
@@ -125,17 +137,22 @@ def test_auto_with_the_hopper_copy_plans_it_where_its_rule_takes():
             assert p.backend in ("cuda", "triton")
 
 
-def test_a_partners_batches_come_before_hoppers():
-    sel = select_backend(_problem())
-    composed = compose.with_hopper(compose.compose_with(sel, "marlin"))
-    from vllm_wna16_plugin.backends.marlin import marlin_takes
+@pytest.mark.parametrize("partner", ["marlin", "humming"])
+def test_hopper_goes_before_marlin_and_after_humming(partner):
+    from vllm_wna16_plugin.compose import partner_named
 
-    for m in (64, 128, 256, 512, 1024):
+    sel = select_backend(_problem())
+    composed = compose.with_hopper(compose.compose_with(sel, partner))
+    takes = partner_named(partner).takes
+    both = 0
+    for m in (16, 64, 128, 256, 512, 1024, 4096):
         backend = plan(composed.problem, m, SM90, selection=composed).backend
-        if marlin_takes(composed.problem, m, SM90):
-            assert backend == "marlin"
-        elif hopper_takes(composed.problem, m, SM90):
-            assert backend == "hopper"
+        theirs, ours = takes(composed.problem, m, SM90), hopper_takes(composed.problem, m, SM90)
+        both += theirs and ours
+        first, second = (partner, "hopper") if partner == "humming" else ("hopper", partner)
+        want = first if (theirs, ours)[first == "hopper"] else second if (theirs, ours)[second == "hopper"] else None
+        assert backend == (want or backend) and (want is not None or backend in ("cuda", "triton")), (m, backend)
+    assert both  # the order mattered on this layer
 
 
 def test_hopper_is_not_composed_where_out_of_scope_or_asked_for_another_backend():

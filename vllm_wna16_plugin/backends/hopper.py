@@ -14,6 +14,8 @@ runs faster. Named explicitly (VLLM_WNA16_PLUS_BACKEND=hopper) it runs every bat
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from vllm_wna16_plugin.backends.base import (
@@ -30,10 +32,20 @@ ENV_COMPOSE = "VLLM_WNA16_PLUS_HOPPER"  # auto (default): hold the hopper copy w
 
 # ---------------------------------------------------------------- when auto hands a batch to hopper
 
-# Fitted on the development set (H100 and, where lent, H200; bench_moe.py plugin-hopper against the plugin's own
-# kernels in the same run): see HOPPER_RULE_SOURCE and docs/perf/hopper-path.md for the measured table.
-HOPPER_MIN_ROWS = 32.0  # rows per hit expert (base.pairs_per_expert) from which hopper's tiles win
-HOPPER_RULE_SOURCE = "hopper rule (backends/hopper.py)"
+# Fitted on the development set (bench/model_catalog.py's 8 dev models at TP 4, H100, vLLM 0.34.0, the plugin's
+# layer alone (plugin-auto), plugin-hopper, Humming, Marlin and bf16 dense in one run at M 32-4096:
+# bench/results/h100/2026-12-06-d23a13c-hopper-dev.md). Times in µs, the plugin alone / hopper:
+#     >= 64 rows per hit expert: hopper faster on all 13 points measured (Mixtral-8x7B M=256 300 / 180, M=1024
+#         579 / 391; Qwen3-235B-A22B M=1024 486 / 385; OLMoE-1B-7B M=1024 155 / 145; Phi-3.5-MoE M=1024 360 / 236;
+#         every M=4096), and faster than Marlin on all of them (Mixtral M=256: Marlin 296)
+#     16-32 rows: the plugin's (or Marlin's) on 4 of 6 points (Qwen3-235B M=256 252 / 273, OLMoE M=256 80 / 90,
+#         Qwen3-30B M=256 88 / 106; Phi M=256 even 191 / 192; Mixtral M=64 160 / 149 but Marlin 123)
+# Humming (vLLM 0.33-0.34's default) led hopper at 16-64 rows (Mixtral M=256: 156 / 180) and on the many-expert
+# models at prefill (Qwen3-235B M=4096: 893 / 1036), so a layer composed with Humming hands Humming its batches
+# first; one composed with Marlin asks hopper first (HOPPER_BEFORE).
+HOPPER_MIN_ROWS = 64.0  # rows per hit expert (base.pairs_per_expert) from which hopper's tiles win
+HOPPER_BEFORE = (None, "marlin")  # the partners (None: no partner) whose rule hopper's goes before
+HOPPER_RULE_SOURCE = "hopper rule (backends/hopper.py; H100 dev set 2026-12-06-d23a13c-hopper-dev)"
 
 
 def hopper_scope(problem: MoEProblem, device=None) -> str | None:
@@ -74,8 +86,12 @@ def hopper_takes(problem: MoEProblem, m: int, device) -> bool:
 
 
 def hopper_copy_bytes(problem: MoEProblem) -> int:
-    """Bytes of the hopper copy of a layer: both GEMMs' int4 weights and bf16 scales of every local expert."""
-    return int(problem.num_experts * expert_bytes(problem))
+    """Bytes of the hopper copy of a layer: both GEMMs' int4 weights and bf16 scales of every local expert, the
+    scales in groups of hopper_ops.KERNEL_GROUP."""
+    from vllm_wna16_plugin.kernels.hopper_ops import KERNEL_GROUP
+
+    kernel = dataclasses.replace(problem, group_size_w13=KERNEL_GROUP, group_size_w2=KERNEL_GROUP)
+    return int(problem.num_experts * expert_bytes(kernel))
 
 
 class HopperBackend(Backend):

@@ -52,8 +52,8 @@ class HopperLaunch:
 @dataclass
 class HopperState:
     """A layer's copy for the hopper kernel: w13 (E, 2I, H/2) and w2 (E, H, I/2) signed and reordered
-    (prepare_weights), scales (E, G, N) contiguous in the activation dtype, the per-expert strides and layouts of
-    both GEMMs (consts), and the group sizes."""
+    (prepare_weights), scales (E, K / KERNEL_GROUP, N) contiguous in the activation dtype (kernel_scales), the
+    per-expert strides and layouts of both GEMMs (consts), and the kernel's group sizes (KERNEL_GROUP)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -90,18 +90,35 @@ def extension_error() -> str | None:
     return static_libstdcxx_error(_extension().__file__)
 
 
+# The group size the kernel's scales are laid out in, whatever the checkpoint's: one scale row per K tile. With
+# groups of 128 (two K tiles a scale row, CUTLASS's "reload factor" 2) GEMM1 of a Qwen3-30B-A3B-shaped layer at TP 4
+# (H=2048, E=128, top_k=8) returned one wrong token row of 32 on the H100 (2026-12-06, relative error 0.024 against
+# 0.003), where the same weights with their scales repeated to groups of 64 were right on every case
+# (tests/kernels/test_hopper_gpu.py): every table is repeated to groups of K_TILE at prepare (group 128: twice the
+# scale bytes, about 3% of an int4 layer's).
+KERNEL_GROUP = K_TILE
+
+
+def kernel_scales(scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(E, N, K / group_size) scales -> the kernel's (E, K / KERNEL_GROUP, N), N contiguous: each group's scale
+    repeated over its group_size / KERNEL_GROUP K tiles (group_size: a multiple of KERNEL_GROUP, or K)."""
+    repeat = group_size // KERNEL_GROUP
+    table = scales.repeat_interleave(repeat, dim=-1) if repeat > 1 else scales
+    return table.transpose(1, 2).contiguous()
+
+
 def prepare(w13_qweight, w2_qweight, w13_scales, w2_scales, group_w13: int, group_w2: int) -> HopperState:
     """The hopper copy of a layer in the plugin's kernel layout (int4, symmetric: uint8 (E, N, K/2), scales
-    (E, N, G)). A new copy of the weights (their signed, reordered form) and of the scales."""
+    (E, N, G) with groups of group_w13 / group_w2 along K). A new copy of the weights (their signed, reordered form)
+    and of the scales (kernel_scales)."""
     ext = _extension()
     e, n1, _ = w13_qweight.shape
     h, inter = w2_qweight.shape[1], n1 // 2
-    s13 = w13_scales.transpose(1, 2).contiguous()
-    s2 = w2_scales.transpose(1, 2).contiguous()
+    s13, s2 = kernel_scales(w13_scales, group_w13), kernel_scales(w2_scales, group_w2)
     consts = ext.layer_constants(e, n1, h, h, inter, s13.shape[1], s2.shape[1], w13_qweight.device)
     return HopperState(
         ext.prepare_weights(w13_qweight.contiguous()), ext.prepare_weights(w2_qweight.contiguous()),
-        s13, s2, consts, group_w13, group_w2,
+        s13, s2, consts, KERNEL_GROUP, KERNEL_GROUP,
     )  # fmt: skip
 
 
@@ -125,11 +142,13 @@ def fused_moe_hopper(
 __all__ = [
     "HopperLaunch",
     "HopperState",
+    "KERNEL_GROUP",
     "K_TILE",
     "N_TILE",
     "TILE_WIDTHS",
     "extension_error",
     "fused_moe_hopper",
+    "kernel_scales",
     "prepare",
     "token_tile",
 ]

@@ -45,3 +45,31 @@ def test_the_build_targets_this_machines_gpus(capabilities, want):
 
 def test_defaults_cover_ampere_hopper_blackwell():
     assert _load()["DEFAULT_ARCHS"] == "8.0;9.0;10.0"
+
+
+@pytest.mark.parametrize(
+    ("archs", "want"),
+    [
+        ("9.0", True),
+        ("8.0;9.0;10.0", True),
+        ("9.0a", True),
+        ("9.0+PTX", True),
+        ("8.0", False),
+        ("8.0;10.0", False),
+        ("8.9 9.0", True),
+    ],  # fmt: skip
+)
+def test_the_hopper_kernels_build_where_sm90_is_asked_for(archs, want):
+    assert _load("builds_sm90")["builds_sm90"](archs) is want
+
+
+def test_cutlass_is_found_from_cutlass_dir_or_refused_with_its_fix(tmp_path, monkeypatch):
+    scope = _load("cutlass_root")
+    scope.update(os=__import__("os"), Path=Path, CUTLASS_PACKAGE="nvidia-cutlass==4.2.0.0")
+    cutlass_root = scope["cutlass_root"]
+    monkeypatch.setenv("CUTLASS_DIR", str(tmp_path))
+    root, why = cutlass_root()
+    assert root is None and "include/cutlass/cutlass.h" in why
+    (tmp_path / "include" / "cutlass").mkdir(parents=True)
+    (tmp_path / "include" / "cutlass" / "cutlass.h").write_text("// header")
+    assert cutlass_root() == (tmp_path, f"CUTLASS_DIR={tmp_path}")

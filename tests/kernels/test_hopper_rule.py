@@ -28,7 +28,9 @@ SM90 = DeviceSpec("cuda", 90)
 
 
 def _problem(E=8, top_k=2, H=4096, I=3584, gs=128, **kw) -> MoEProblem:  # noqa: N803, E741
-    scheme = kw.pop("scheme", None) or WNA16Scheme(bits=4, group_size=gs, has_zero_point=False, pack_format=PackFormat.GPTQ)
+    scheme = kw.pop("scheme", None) or WNA16Scheme(
+        bits=4, group_size=gs, has_zero_point=False, pack_format=PackFormat.GPTQ
+    )
     return MoEProblem(scheme=scheme, hidden=H, intermediate=I, num_experts=E, global_num_experts=E, top_k=top_k,
                       group_size_w13=gs if gs > 0 else H, group_size_w2=gs if gs > 0 else I, platform="cuda", sm=90,
                       options=RunOptions(plan_only=True), **kw)  # fmt: skip
@@ -36,8 +38,19 @@ def _problem(E=8, top_k=2, H=4096, I=3584, gs=128, **kw) -> MoEProblem:  # noqa:
 
 @pytest.mark.parametrize(
     ("rows", "tile"),
-    [(0.5, 32), (4, 32), (16, 32), (17, 64), (32, 64), (33, 128), (64, 128), (256, 128), (511, 128), (512, 256),
-     (1024, 256)],  # fmt: skip
+    [
+        (0.5, 32),
+        (4, 32),
+        (16, 32),
+        (17, 64),
+        (32, 64),
+        (33, 128),
+        (64, 128),
+        (256, 128),
+        (511, 128),
+        (512, 256),
+        (1024, 256),
+    ],  # fmt: skip
 )
 def test_token_tile_by_rows_per_expert(rows, tile):
     assert token_tile(rows) == tile
@@ -59,8 +72,14 @@ def test_scope_takes_a_real_models_layer():
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
-        (dict(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ)), "int4 symmetric"),
-        (dict(scheme=WNA16Scheme(bits=4, group_size=128, has_zero_point=True, pack_format=PackFormat.AWQ)), "int4 symmetric"),
+        (
+            dict(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ)),
+            "int4 symmetric",
+        ),
+        (
+            dict(scheme=WNA16Scheme(bits=4, group_size=128, has_zero_point=True, pack_format=PackFormat.AWQ)),
+            "int4 symmetric",
+        ),
         (dict(has_g_idx=True), "act order"),
         (dict(act_dtype=torch.float16), "bfloat16"),
         (dict(activation="gelu"), "silu"),
@@ -157,7 +176,9 @@ def test_hopper_goes_before_marlin_and_after_humming(partner):
 
 def test_hopper_is_not_composed_where_out_of_scope_or_asked_for_another_backend():
     assert "int4 symmetric" in compose.hopper_composable(
-        select_backend(_problem(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ)))
+        select_backend(
+            _problem(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ))
+        )
     )
     assert "as asked" in compose.hopper_composable(select_backend(_problem(), "triton", "test"))
 

@@ -291,8 +291,10 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4
         raise NotApplicable(f"{name} rejects: {exc}") from None
     if partner:  # what a layer loaded under auto runs where that partner is vLLM's and memory allows
         if reason := composable_with(selection, partner):
-            raise NotApplicable(f"not composed with {partner}: {reason}")
-        selection = compose_with(selection, partner)
+            if not hopper:  # a -hopper provider's layer holds the hopper copy alone then, as loading does
+                raise NotApplicable(f"not composed with {partner}: {reason}")
+        else:
+            selection = compose_with(selection, partner)
     if hopper:
         if reason := hopper_composable(selection):
             raise NotApplicable(f"not composed with the hopper kernel: {reason}")

@@ -52,10 +52,15 @@ if old in s and "gpu_session.sh" not in s:
     open(p, "w").write(s)
 PY
 fi
-# builds csrc/ for sm90 on the machine's 16 cores (the `cuda` backend); the log says if it could not.
+# CUTLASS's headers for the hopper kernels (carry .cutlass, made here by bench/cutlass_headers.sh)
+if [ -z "${CUTLASS_DIR:-}" ] && [ -f .cutlass/cutlass-headers.tar.xz ]; then
+  mkdir -p /tmp/cutlass-h && tar xJf .cutlass/cutlass-headers.tar.xz -C /tmp/cutlass-h && export CUTLASS_DIR=/tmp/cutlass-h
+fi
+# builds csrc/ for sm90 on the machine's 16 cores (the `cuda` backend, and the `hopper` one where CUTLASS_DIR is
+# set); the log says if it could not.
 # A call chained within 30 s finds the machine warm: the editable install and the ignored _C*.so are still
 # there, so the build is skipped when csrc/ and setup.py are unchanged (the stamp lives in /tmp).
-stamp=$(cat setup.py pyproject.toml csrc/* 2>/dev/null | sha256sum | cut -c1-16)
+stamp=$( (cat setup.py pyproject.toml csrc/* csrc/hopper/* 2>/dev/null; echo "cutlass=${CUTLASS_DIR:-none}") | sha256sum | cut -c1-16)
 if [ "$(cat /tmp/wna16-build-stamp 2>/dev/null)" = "$stamp" ] && ls vllm_wna16_plugin/_C*.so >/dev/null 2>&1 \
    && python3 -c "import importlib.metadata as m; m.version('vllm-wna16-plugin')" 2>/dev/null; then
   echo "plugin: warm machine, csrc/ unchanged: build skipped"
@@ -67,6 +72,7 @@ else
 fi
 echo "[set-up done at ${SECONDS} s]"
 python3 -c "from vllm_wna16_plugin.kernels.cuda_ops import extension_error as e; print('CUDA ops:', e() or 'built')"
+python3 -c "from vllm_wna16_plugin.kernels.hopper_ops import extension_error as e; print('hopper kernels:', e() or 'built')"
 # vllm serve's modules the bundle lacks (uvicorn, ...), carried as wheels in .whl (see docs/gpu-machine.md)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-extra .whl/*.whl \
@@ -111,7 +117,7 @@ for step in "$@"; do
     # modules (serve, bad input, TP, asymmetric linears, Humming and Marlin composition), two pytest processes, each
     # with its own log and record. E2E_PARTS="name|jobs|paths|selection;..." runs other parts side by side.
     e2e-par) pids=(); parts=()
-             rest=${E2E_REST_PATHS:-"tests/e2e/test_bad_input.py tests/e2e/test_serve.py tests/e2e/test_tensor_parallel.py tests/e2e/test_gptq_asym_linear.py tests/e2e/test_humming_compose.py tests/e2e/test_marlin_compose.py"}
+             rest=${E2E_REST_PATHS:-"tests/e2e/test_bad_input.py tests/e2e/test_serve.py tests/e2e/test_tensor_parallel.py tests/e2e/test_gptq_asym_linear.py tests/e2e/test_humming_compose.py tests/e2e/test_marlin_compose.py tests/e2e/test_hopper_compose.py"}
              if [ -n "${E2E_PARTS:-}" ]; then IFS=';' read -ra parts <<<"$E2E_PARTS"
              else parts=("gen|${E2E_JOBS:-12}|tests/e2e/test_llm_generate.py|${E2E_GEN_ARGS:-${E2E_ARGS:-}}" "rest|1|$rest|${E2E_ARGS:-}"); fi
              names=()

@@ -414,6 +414,57 @@ def test_a_composed_layer_hands_large_batches_to_its_partner_or_falls_back(vllm_
         assert layer.quant_method.runner.plan(6).backend == partner
 
 
+@pytest.mark.parametrize("setting", ["auto", "0", "fail"])
+def test_a_layer_with_the_hopper_copy_hands_it_its_batches_or_falls_back(vllm_cpu, monkeypatch, caplog, setting):
+    """The load-time wiring of auto + the plugin's hopper kernel (compose.hopper_composable / with_hopper;
+    moe_method._compose, _build_runner) on CPU: the layer's own backend stands in for the plugin's other kernels, a
+    fake for the hopper kernel, whose rule is made to take M >= 4. VLLM_WNA16_PLUS_HOPPER=0 leaves the copy out; a
+    hopper copy that cannot be prepared leaves the plugin's other kernels at every M, with a warning."""
+    import logging
+
+    from vllm_wna16_plugin import compose, launch_plan
+    from vllm_wna16_plugin.backends import hopper, registry
+
+    fake = _FakeHumming(setting == "fail")
+    fake.name = "hopper"
+    monkeypatch.setattr(compose, "partners", lambda: ())
+    monkeypatch.setattr(compose, "hopper_composable", lambda selection: None)
+    monkeypatch.setattr(hopper, "hopper_takes", lambda problem, m, device: m >= 4)
+    monkeypatch.setattr(launch_plan, "registry", lambda: {**registry(), "hopper": fake})
+    monkeypatch.setattr(launch_plan, "COMPOSABLE", (*launch_plan.COMPOSABLE, "reference"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 139 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2**30)
+    if setting == "0":
+        monkeypatch.setenv(hopper.ENV_COMPOSE, "0")
+    q13, q2 = _random_experts(4, 32, True, seed=19)
+    layer = _build(vllm_cpu, RAW["gptq"](4, 32, True))
+    list(layer.load_weights(_weights("gptq", q13, q2)))
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        layer.quant_method.process_weights_after_loading(layer)
+        small, large = _routing(seed=2, m=2), _routing(seed=3, m=6)
+        _assert_close(_forward(layer, *small), fused_moe_ref(small[0], packing.dequantize(q13),
+                                                              packing.dequantize(q2), *small[1:]),
+                      "M=2 on the plugin's kernels")  # fmt: skip
+        out = _forward(layer, *large)
+    text = caplog.text
+    ref = fused_moe_ref(large[0], packing.dequantize(q13), packing.dequantize(q2), *large[1:])
+    options = layer.quant_method.problem.options
+    if setting == "auto":
+        assert "another copy of its experts in the hopper kernel's layout" in text and fake.prepared == 1
+        assert hopper.ENV_COMPOSE in text and options.hopper
+        assert bool((out == 7).all()), "M=6 did not run on the hopper kernel"
+        assert layer.quant_method.runner.plan(6).backend == "hopper"
+    elif setting == "0":
+        assert "not composed with the hopper kernel (VLLM_WNA16_PLUS_HOPPER=0)" in text and fake.prepared == 0
+        assert not options.hopper and layer.quant_method.runner.plan(6).backend != "hopper"
+        _assert_close(out, ref, "M=6 without the hopper copy")
+    else:
+        assert "the hopper kernel could not be prepared (RuntimeError: nvrtc: compile failed)" in text
+        assert not options.hopper
+        _assert_close(out, ref, "M=6 after the fallback")
+
+
 @pytest.mark.interpreter
 def test_processing_an_act_order_layer_again_without_a_load_keeps_it_right(vllm_cpu, monkeypatch):
     """process_weights_after_loading leaves an act-order layer's parameters sorted by g_idx (which keeps the

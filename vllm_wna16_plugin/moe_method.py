@@ -345,11 +345,11 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                 return
             _LOGGED.add(key)
             if composed:
-                where = " (vLLM's default here)" if backend != "hopper" else ""
+                where, copy_word = (" (vLLM's default here)", "a second") if backend != "hopper" else ("", "another")
                 logger.info(
                     "moe_wna16_plus: %s: the batch sizes %s runs faster (its rule in the plugin) run on %s%s; the "
-                    "layer keeps a second copy of its experts in %s's layout (%.2f GiB; %s). %s=0 keeps one copy.",
-                    self.prefix, label, label, where, label, copy / 2**30, why, env,
+                    "layer keeps %s copy of its experts in %s's layout (%.2f GiB; %s). %s=0 leaves it out.",
+                    self.prefix, label, label, where, copy_word, label, copy / 2**30, why, env,
                 )  # fmt: skip
             else:
                 logger.info("moe_wna16_plus: %s: not composed with %s (%s)", self.prefix, label, why)

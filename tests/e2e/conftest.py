@@ -279,6 +279,8 @@ HUMMING_COMPOSED = "run on Humming (vLLM's default here); the layer keeps a seco
 HUMMING_NOT_COMPOSED = "not composed with Humming (VLLM_WNA16_PLUS_HUMMING=0)"
 MARLIN_COMPOSED = "run on Marlin (vLLM's default here); the layer keeps a second copy"
 MARLIN_NOT_COMPOSED = "not composed with Marlin (VLLM_WNA16_PLUS_MARLIN=0)"
+HOPPER_COMPOSED = "run on the hopper kernel; the layer keeps another copy"
+HOPPER_NOT_COMPOSED = "not composed with the hopper kernel (VLLM_WNA16_PLUS_HOPPER=0)"
 
 
 def humming_missing() -> str | None:

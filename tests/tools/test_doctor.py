@@ -542,6 +542,26 @@ def test_doctor_says_which_batch_sizes_humming_takes_where_installed(gs32_k2048,
     assert "VLLM_WNA16_PLUS_MARLIN" in line and ": M=128, 256 run on Marlin" in line, line
 
 
+def test_doctor_says_which_batch_sizes_the_hopper_kernel_takes(tmp_path, monkeypatch):
+    """Mixtral-8x7B's config.json at TP 4: from M=256 (64 rows per hit expert) the hopper rule's; and why not on
+    an sm80 plan, or with VLLM_WNA16_PLUS_HOPPER=0."""
+    config = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 4096,
+              "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "num_hidden_layers": 1,
+              "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True,
+                                      "desc_act": False}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    line = next(x for x in plan(tmp_path, tp=4, device="sm90").splitlines() if x.startswith("with the hopper kernel"))
+    assert "VLLM_WNA16_PLUS_HOPPER" in line and "M=256, 512, 1024, 2048, 4096 run on hopper" in line, line
+    assert "built in this install" in line or "this install: the plugin's hopper extension" in line, line
+    assert "with the hopper kernel: no (built for sm90 only" in plan(tmp_path, tp=4, device="sm80")
+    monkeypatch.setenv("VLLM_WNA16_PLUS_HOPPER", "0")
+    assert "with the hopper kernel: no (VLLM_WNA16_PLUS_HOPPER=0)" in plan(tmp_path, tp=4, device="sm90")
+    monkeypatch.setenv("VLLM_WNA16_PLUS_HOPPER", "sometimes")
+    with pytest.raises(ValueError, match=re.escape("VLLM_WNA16_PLUS_HOPPER='sometimes'")):
+        plan(tmp_path, tp=4, device="sm90")
+
+
 def test_doctor_reads_the_plugins_variables_as_loading_does(gs32_k2048, monkeypatch):
     """Found by a bad-input sweep: doctor printed auto's choice and exit 0 under a backend or setting that
     loading refuses. It now checks each variable and plans the backend asked for."""

@@ -1,0 +1,68 @@
+"""auto with the hopper kernel's copy end to end (GPU only; sm90 with the plugin's hopper extension built).
+
+The checkpoint's experts (8 of 2048 x 2048, top_k 2) take 64 rows per hit expert from 256 tokens: the prefill of
+the long prompt is the hopper rule's (backends/hopper.py), the 4-sequence decode batches (CUDA graphs) stay on the
+plugin's other kernels. The vLLM partners are turned off (VLLM_WNA16_PLUS_HUMMING=0, VLLM_WNA16_PLUS_MARLIN=0) so
+that the hopper kernel takes those batches on any vLLM. The layer must log the hopper copy and generate like the
+float32 reference backend; VLLM_WNA16_PLUS_HOPPER=0 must leave the copy out and generate alike, and
+VLLM_WNA16_PLUS_BACKEND=hopper (every batch on the hopper kernel, decode graphs included) too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.conftest import (
+    HOPPER_COMPOSED,
+    HOPPER_NOT_COMPOSED,
+    PROMPTS,
+    assert_generates_like,
+    requires_gpu,
+    run_llm,
+    start_llm,
+)
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+# a prefill batch of well over 256 tokens: the hopper rule's side of the layer
+LONG_PROMPT = " ".join(["The river runs to the sea and the sea runs to the sky ."] * 14)  # about 380 tokens
+NO_PARTNER = {"VLLM_WNA16_PLUS_HUMMING": "0", "VLLM_WNA16_PLUS_MARLIN": "0"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the hopper kernel is built for sm90a only")
+    from vllm_wna16_plugin.kernels.hopper_ops import extension_error
+
+    if reason := extension_error():
+        pytest.skip(reason)
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    root = tmp_path_factory.mktemp("compose-hopper")
+    return make_checkpoint(root / "gptq-e8-h2048", fmt="gptq", bits=4, group_size=128, hidden=2048,
+                           intermediate=2048, experts=8, top_k=2, layers=2)  # fmt: skip
+
+
+def test_auto_with_the_hopper_copy_generates_like_the_reference(checkpoint, tmp_path_factory):
+    prompts = [*PROMPTS, LONG_PROMPT]
+    runs = {
+        "ref": dict(backend="reference", eager=True),
+        "auto": dict(env=NO_PARTNER),
+        "alone": dict(env={**NO_PARTNER, "VLLM_WNA16_PLUS_HOPPER": "0"}),
+        "hopper": dict(backend="hopper", env=NO_PARTNER),
+    }
+    dirs = {tag: tmp_path_factory.mktemp(tag) for tag in runs}
+    for tag, kwargs in runs.items():
+        start_llm(checkpoint, dirs[tag], prompts=prompts, **kwargs)  # side by side (E2E_JOBS)
+    ref = run_llm(checkpoint, dirs["ref"], prompts=prompts, **runs["ref"]).require_ok("reference")
+    composed = run_llm(checkpoint, dirs["auto"], prompts=prompts, **runs["auto"]).require_ok("auto with hopper")
+    assert HOPPER_COMPOSED in composed.log, composed.log[-3000:]
+    assert_generates_like(composed, ref, "auto with the hopper copy")
+    alone = run_llm(checkpoint, dirs["alone"], prompts=prompts, **runs["alone"]).require_ok("VLLM_WNA16_PLUS_HOPPER=0")
+    assert HOPPER_NOT_COMPOSED in alone.log and HOPPER_COMPOSED not in alone.log, alone.log[-3000:]
+    assert_generates_like(alone, ref, "auto without the hopper copy")
+    named = run_llm(checkpoint, dirs["hopper"], prompts=prompts, **runs["hopper"]).require_ok("backend hopper")
+    assert_generates_like(named, ref, "VLLM_WNA16_PLUS_BACKEND=hopper")

@@ -366,6 +366,29 @@ class _FakeHumming:
         return torch.full((x.shape[0], problem.hidden), 7.0, dtype=x.dtype)
 
 
+def _load_composed_and_run(vllm_cpu, monkeypatch, caplog, seed: int):
+    """Load a random GPTQ layer on CPU with memory for any copy (the tests below patch what composes), process it,
+    check M=2 against the reference and run M=6. (layer, M=6's output, M=6's reference, the log's text)."""
+    import logging
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 139 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2**30)
+    q13, q2 = _random_experts(4, 32, True, seed=seed)
+    layer = _build(vllm_cpu, RAW["gptq"](4, 32, True))
+    list(layer.load_weights(_weights("gptq", q13, q2)))
+    # vLLM's logger, as a test before this one may have left it (the CLI tests set it to ERROR; vLLM's own
+    # configuration stops it propagating to the root, where caplog listens)
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    dense13, dense2 = packing.dequantize(q13), packing.dequantize(q2)
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        layer.quant_method.process_weights_after_loading(layer)
+        small, large = _routing(seed=2, m=2), _routing(seed=3, m=6)
+        _assert_close(_forward(layer, *small), fused_moe_ref(small[0], dense13, dense2, *small[1:]),
+                      "M=2 on the plugin's kernels")  # fmt: skip
+        out = _forward(layer, *large)
+    return layer, out, fused_moe_ref(large[0], dense13, dense2, *large[1:]), caplog.text
+
+
 @pytest.mark.parametrize("partner", ["humming", "marlin"])
 @pytest.mark.parametrize("fail", [False, True])
 def test_a_composed_layer_hands_large_batches_to_its_partner_or_falls_back(vllm_cpu, monkeypatch, caplog, fail,
@@ -375,7 +398,6 @@ def test_a_composed_layer_hands_large_batches_to_its_partner_or_falls_back(vllm_
     M >= 4. Memory allows the copy; a partner that cannot be prepared leaves the plugin's kernels at every M,
     with a warning."""
     import dataclasses
-    import logging
 
     from vllm_wna16_plugin import compose, launch_plan
     from vllm_wna16_plugin.backends import registry
@@ -386,25 +408,9 @@ def test_a_composed_layer_hands_large_batches_to_its_partner_or_falls_back(vllm_
     monkeypatch.setattr(compose, "composable_with", lambda selection, name: None)
     monkeypatch.setattr(launch_plan, "registry", lambda: {**registry(), partner: fake})
     monkeypatch.setattr(launch_plan, "COMPOSABLE", (*launch_plan.COMPOSABLE, "reference"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 139 * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2**30)
-    q13, q2 = _random_experts(4, 32, True, seed=17)
-    layer = _build(vllm_cpu, RAW["gptq"](4, 32, True))
-    list(layer.load_weights(_weights("gptq", q13, q2)))
-    # vLLM's logger, as a test before this one may have left it (the CLI tests set it to ERROR; vLLM's own
-    # configuration stops it propagating to the root, where caplog listens)
-    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
-    with caplog.at_level(logging.INFO, logger="vllm"):
-        layer.quant_method.process_weights_after_loading(layer)
-        small, large = _routing(seed=2, m=2), _routing(seed=3, m=6)
-        _assert_close(_forward(layer, *small), fused_moe_ref(small[0], packing.dequantize(q13),
-                                                              packing.dequantize(q2), *small[1:]),
-                      "M=2 on the plugin's kernels")  # fmt: skip
-        out = _forward(layer, *large)
-    text = caplog.text
+    layer, out, ref, text = _load_composed_and_run(vllm_cpu, monkeypatch, caplog, seed=17)
     if fail:
         assert f"{chosen.label} could not be prepared (RuntimeError: nvrtc: compile failed)" in text
-        ref = fused_moe_ref(large[0], packing.dequantize(q13), packing.dequantize(q2), *large[1:])
         _assert_close(out, ref, "M=6 after the fallback")
         assert layer.quant_method.problem.options.compose_with is None
     else:
@@ -420,7 +426,6 @@ def test_a_layer_with_the_hopper_copy_hands_it_its_batches_or_falls_back(vllm_cp
     moe_method._compose, _build_runner) on CPU: the layer's own backend stands in for the plugin's other kernels, a
     fake for the hopper kernel, whose rule is made to take M >= 4. VLLM_WNA16_PLUS_HOPPER=0 leaves the copy out; a
     hopper copy that cannot be prepared leaves the plugin's other kernels at every M, with a warning."""
-    import logging
 
     from vllm_wna16_plugin import compose, launch_plan
     from vllm_wna16_plugin.backends import hopper, registry
@@ -432,23 +437,9 @@ def test_a_layer_with_the_hopper_copy_hands_it_its_batches_or_falls_back(vllm_cp
     monkeypatch.setattr(hopper, "hopper_takes", lambda problem, m, device: m >= 4)
     monkeypatch.setattr(launch_plan, "registry", lambda: {**registry(), "hopper": fake})
     monkeypatch.setattr(launch_plan, "COMPOSABLE", (*launch_plan.COMPOSABLE, "reference"))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * 2**30, 139 * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2**30)
     if setting == "0":
         monkeypatch.setenv(hopper.ENV_COMPOSE, "0")
-    q13, q2 = _random_experts(4, 32, True, seed=19)
-    layer = _build(vllm_cpu, RAW["gptq"](4, 32, True))
-    list(layer.load_weights(_weights("gptq", q13, q2)))
-    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
-    with caplog.at_level(logging.INFO, logger="vllm"):
-        layer.quant_method.process_weights_after_loading(layer)
-        small, large = _routing(seed=2, m=2), _routing(seed=3, m=6)
-        _assert_close(_forward(layer, *small), fused_moe_ref(small[0], packing.dequantize(q13),
-                                                              packing.dequantize(q2), *small[1:]),
-                      "M=2 on the plugin's kernels")  # fmt: skip
-        out = _forward(layer, *large)
-    text = caplog.text
-    ref = fused_moe_ref(large[0], packing.dequantize(q13), packing.dequantize(q2), *large[1:])
+    layer, out, ref, text = _load_composed_and_run(vllm_cpu, monkeypatch, caplog, seed=19)
     options = layer.quant_method.problem.options
     if setting == "auto":
         assert "another copy of its experts in the hopper kernel's layout" in text and fake.prepared == 1

@@ -433,7 +433,7 @@ def test_a_layer_with_the_hopper_copy_hands_it_its_batches_or_falls_back(vllm_cp
     fake = _FakeHumming(setting == "fail")
     fake.name = "hopper"
     monkeypatch.setattr(compose, "partners", lambda: ())
-    monkeypatch.setattr(compose, "hopper_composable", lambda selection: None)
+    monkeypatch.setattr(compose, "hopper_composable", lambda selection, max_tokens=None: None)
     monkeypatch.setattr(hopper, "hopper_takes", lambda problem, m, device: m >= 4)
     monkeypatch.setattr(launch_plan, "registry", lambda: {**registry(), "hopper": fake})
     monkeypatch.setattr(launch_plan, "COMPOSABLE", (*launch_plan.COMPOSABLE, "reference"))

@@ -73,3 +73,12 @@ def test_cutlass_is_found_from_cutlass_dir_or_refused_with_its_fix(tmp_path, mon
     (tmp_path / "include" / "cutlass").mkdir(parents=True)
     (tmp_path / "include" / "cutlass" / "cutlass.h").write_text("// header")
     assert cutlass_root() == (tmp_path, f"CUTLASS_DIR={tmp_path}")
+
+
+def test_cutlass_older_than_the_kernels_need_is_refused_by_its_version(tmp_path):
+    scope = _load("cutlass_version")
+    version = scope["cutlass_version"]
+    assert version(tmp_path) is None
+    (tmp_path / "include" / "cutlass").mkdir(parents=True)
+    (tmp_path / "include" / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 3\n#define CUTLASS_MINOR 5\n")
+    assert version(tmp_path) == (3, 5) < (4, 2)

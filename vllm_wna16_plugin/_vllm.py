@@ -38,6 +38,7 @@ checked in the unpacked wheels of every release 0.26.0 ... 0.34.0):
 | vllm._custom_ops.gptq_gemm / gptq_shuffle | asymmetric GPTQ linears Marlin cannot take (int8, act order, other group sizes), float16 only: vLLM's exllama kernel reads GPTQ v1 or v2 zero points natively | 0.26-0.29: `(a, q, qzeros, scales, g_idx, use_exllama, use_v2_format, bit)`, `gptq_shuffle(q, perm, bit)`; 0.30-0.34: no `g_idx` / `perm` (no act order) (`gptq_exllama_ops`: "b_g_idx" in its signature) | - |
 | FusedMoEConfig.has_bias / swiglu_limit / swiglu_alpha / swiglu_beta / activation_situ_beta / activation_situ_linear_beta | experts with biases or a clamped/scaled gated activation (gpt-oss, EXAONE-MoE, Bailing-V3, Kimi SituGLU) are refused at load: our kernels compute neither (`layer_expert_math`) | `has_bias`, `swiglu_limit`, `swiglu_alpha`, `swiglu_beta` 0.26-0.34; `activation_situ_*` from 0.27 (read with a default) | - |
 | config.get_current_vllm_config().cache_config.gpu_memory_utilization / resolved_gpu_memory_utilization() | how much memory composing a layer with Humming may take (`gpu_memory_utilization`) | a float, default 0.92, 0.26-0.33; 0.34 `None` by default, resolved by the method (1.0 with its extensible KV cache) | - |
+| config.get_current_vllm_config().scheduler_config.max_num_batched_tokens | the largest batch a step runs: the hopper copy is kept only where its rule takes a batch up to it (`max_batched_tokens`) | an int 0.26-0.34 (read with getattr; None outside an engine) | - |
 | config.VllmConfig / DeviceConfig / set_current_vllm_config, distributed.init_distributed_environment / initialize_model_parallel | building our MoE layers on CPU without an engine (`vllm-wna16 demo` without a GPU, layer tests) | 0.26-0.34 | - |
 | ...fused_moe.fused_moe.get_moe_wna16_block_config (+ should_moe_wna16_use_cuda's rule, restated) | `doctor` shows the BLOCK_SIZE_K vLLM's in-tree moe_wna16 CUDA path would launch beside ours (`moe_wna16_in_tree_path`) | 0.26-0.34, same body | - |
 
@@ -406,6 +407,18 @@ def gpu_memory_utilization() -> float:
         value = None
     value = value if value is not None else getattr(cache, "gpu_memory_utilization", None)
     return float(value) if isinstance(value, (int, float)) and 0 < value <= 1 else DEFAULT_GPU_MEMORY_UTILIZATION
+
+
+def max_batched_tokens() -> int | None:
+    """The current engine's token budget per step (scheduler_config.max_num_batched_tokens), None outside an
+    engine's config context or where it is not an int."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        value = getattr(getattr(get_current_vllm_config(), "scheduler_config", None), "max_num_batched_tokens", None)
+    except Exception:  # noqa: BLE001 - no config set (a layer built outside an engine)
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def layer_expert_names(layer) -> tuple[str, ...]:

@@ -116,10 +116,11 @@ def compose_with(selection: Selection, name: str) -> Selection:
 HOPPER_PROBE_SIZES = (*PROBE_SIZES, 1024, 2048, 4096, 8192)
 
 
-def hopper_composable(selection: Selection) -> str | None:
+def hopper_composable(selection: Selection, max_tokens: int | None = None) -> str | None:
     """Why auto cannot hand some of this layer's batches to the hopper kernel, or None when it can: an auto cuda /
     triton layer in the kernel's scope (backends/hopper.hopper_scope) with the extension built, whose rule takes
-    at least one batch size."""
+    at least one batch size of HOPPER_PROBE_SIZES up to max_tokens (the engine's token budget per step: a copy
+    no batch can use is not kept)."""
     from vllm_wna16_plugin.backends.hopper import hopper_scope, hopper_takes
 
     problem = selection.problem
@@ -135,8 +136,10 @@ def hopper_composable(selection: Selection) -> str | None:
 
         if reason := extension_error():
             return reason
-    if not any(hopper_takes(problem, m, device) for m in HOPPER_PROBE_SIZES):
-        return "its rule takes none of the layer's batch sizes"
+    sizes = [m for m in HOPPER_PROBE_SIZES if max_tokens is None or m <= max_tokens] or [max_tokens]
+    if not any(hopper_takes(problem, m, device) for m in sizes):
+        budget = "" if max_tokens is None else f" up to the engine's {max_tokens} tokens a step"
+        return f"its rule takes none of the layer's batch sizes{budget}"
     return None
 
 

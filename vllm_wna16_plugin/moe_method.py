@@ -325,7 +325,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
                     self.selection = compose.compose_with(self.selection, partner.backend)
                     self.problem = self.selection.problem
                     added = copy
-            if compose.hopper_composable(self.selection) is None:
+            if compose.hopper_composable(self.selection, getattr(self, "max_batched_tokens", None)) is None:
                 from vllm_wna16_plugin.backends.hopper import ENV_COMPOSE, hopper_copy_bytes
 
                 copy = hopper_copy_bytes(self.problem)
@@ -435,6 +435,7 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
             use_tuned()
             if not hasattr(self, "memory_utilization"):  # read in create_weights, inside the engine's config
                 self.memory_utilization = _vllm.gpu_memory_utilization()
+                self.max_batched_tokens = _vllm.max_batched_tokens()
             requested, source = resolve_request(_vllm.layer_moe_backend(layer))
             self.selection = select_backend(self.problem, requested, source)
             self.problem = self.selection.problem  # as judged: options.explicit says whether it was named

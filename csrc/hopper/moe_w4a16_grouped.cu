@@ -46,6 +46,10 @@ torch::Tensor prepare_weights(torch::Tensor qweight) {
               ", K=", K, ")");
   auto signed_q = torch::bitwise_xor(qweight, 0x88);  // q - 8 in each nibble, two's complement
   auto out = torch::empty_like(signed_q);
+  // CUTLASS's reorder_tensor launches on the legacy default stream and exits the process on any CUDA error,
+  // a pending one included: finish this stream's work (the XOR above) and raise a pending error here instead
+  C10_CUDA_CHECK(cudaStreamSynchronize(at::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(cudaGetLastError());
   auto shape_B = cute::make_shape(int(N), int(K), Int<1>{});
   auto layout_B = make_layout(shape_B, cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(int(N), int(K), 1)));
   auto layout_R = tile_to_shape(LayoutAtomQuant{}, shape_B);
@@ -262,8 +266,17 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
   TORCH_CHECK(topk_w.scalar_type() == torch::kFloat32 && topk_w.is_contiguous(), "topk_w must be contiguous float32");
   const int64_t M = x.size(0), H = x.size(1), top_k = topk_ids.size(1), pairs = M * top_k;
   const int64_t E = w13.size(0), N1 = w13.size(1), I = N1 / 2, N2 = w2.size(1), K2 = w2.size(2) * 2;
-  TORCH_CHECK(N2 == H && K2 == I, "w2 must be (E, H, I/2) for w13 (E, 2I, H/2)");
+  TORCH_CHECK(w13.size(2) * 2 == H && N2 == H && K2 == I && w2.size(0) == E,
+              "w13 must be (E, 2I, H/2) and w2 (E, H, I/2) for x (M, H)");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == M && topk_w.sizes() == topk_ids.sizes(),
+              "topk_ids and topk_w must be (M, top_k)");
+  TORCH_CHECK(s13.scalar_type() == torch::kBFloat16 && s2.scalar_type() == torch::kBFloat16 && s13.dim() == 3 &&
+                  s2.dim() == 3 && s13.size(0) == E && s2.size(0) == E && s13.size(2) == N1 && s2.size(2) == H,
+              "scales must be bf16 (E, G1, 2I) and (E, G2, H)");
   const int64_t G1 = s13.size(1), G2 = s2.size(1);
+  TORCH_CHECK(G1 * group1 == H && G2 * group2 == I, "group sizes ", group1, "/", group2, " do not tile K=", H, "/", I);
+  TORCH_CHECK(E <= 4096, "at most 4096 experts (the routing block's shared memory)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must be 16-byte aligned");
   auto opts = x.options();
   auto i32 = opts.dtype(torch::kInt32);
   auto out = torch::empty({stages >= 6 ? M : 0, H}, opts);

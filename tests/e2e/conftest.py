@@ -280,6 +280,7 @@ HUMMING_NOT_COMPOSED = "not composed with Humming (VLLM_WNA16_PLUS_HUMMING=0)"
 MARLIN_COMPOSED = "run on Marlin (vLLM's default here); the layer keeps a second copy"
 MARLIN_NOT_COMPOSED = "not composed with Marlin (VLLM_WNA16_PLUS_MARLIN=0)"
 HOPPER_COMPOSED = "run on the hopper kernel; the layer keeps another copy"
+HOPPER_RAN = "the hopper kernel ran its first batch"  # backends/hopper.py's FIRST_RUN
 HOPPER_NOT_COMPOSED = "not composed with the hopper kernel (VLLM_WNA16_PLUS_HOPPER=0)"
 
 

@@ -15,6 +15,7 @@ import pytest
 from tests.e2e.conftest import (
     HOPPER_COMPOSED,
     HOPPER_NOT_COMPOSED,
+    HOPPER_RAN,
     PROMPTS,
     assert_generates_like,
     requires_gpu,
@@ -59,10 +60,11 @@ def test_auto_with_the_hopper_copy_generates_like_the_reference(checkpoint, tmp_
         start_llm(checkpoint, dirs[tag], prompts=prompts, **kwargs)  # side by side (E2E_JOBS)
     ref = run_llm(checkpoint, dirs["ref"], prompts=prompts, **runs["ref"]).require_ok("reference")
     composed = run_llm(checkpoint, dirs["auto"], prompts=prompts, **runs["auto"]).require_ok("auto with hopper")
-    assert HOPPER_COMPOSED in composed.log, composed.log[-3000:]
+    assert HOPPER_COMPOSED in composed.log and HOPPER_RAN in composed.log, composed.log[-3000:]
     assert_generates_like(composed, ref, "auto with the hopper copy")
     alone = run_llm(checkpoint, dirs["alone"], prompts=prompts, **runs["alone"]).require_ok("VLLM_WNA16_PLUS_HOPPER=0")
-    assert HOPPER_NOT_COMPOSED in alone.log and HOPPER_COMPOSED not in alone.log, alone.log[-3000:]
+    assert HOPPER_NOT_COMPOSED in alone.log and HOPPER_RAN not in alone.log, alone.log[-3000:]
     assert_generates_like(alone, ref, "auto without the hopper copy")
     named = run_llm(checkpoint, dirs["hopper"], prompts=prompts, **runs["hopper"]).require_ok("backend hopper")
+    assert HOPPER_RAN in named.log, named.log[-3000:]
     assert_generates_like(named, ref, "VLLM_WNA16_PLUS_BACKEND=hopper")

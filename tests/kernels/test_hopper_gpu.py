@@ -77,6 +77,30 @@ def test_every_token_tile_matches_reference(tile):
     assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), BF16, f"tile {tile}")
 
 
+@pytest.mark.parametrize("M", [16, 32, 48, 64])
+def test_many_routings_of_a_many_expert_layer_match_reference(M):
+    """20 routings each of the layer whose groups of 128 once gave a wrong row (bench/hopper_group_diag.py):
+    E=128, top_k=8, many experts with one to a few rows, on the backend's groups of 64. Every element checked."""
+    for seed in range(20):
+        p = make_moe_problem(M=M, H=2048, I=192, E=128, top_k=8, bits=4, gs1=128, gs2=64, seed=100 * M + seed)
+        args, kw = _cuda(p)
+        out = fused_moe_wna16(*args, group_size=(128, 64), backend="hopper", **kw)
+        assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), BF16, f"M={M} seed={seed}")
+
+
+@pytest.mark.xfail(reason="groups of 128 in the kernel: one wrong row on this routing (H100, d47488b); the backend "
+                   "repeats its scales to groups of 64", strict=False)  # fmt: skip
+def test_the_group_128_fault_still_shows_when_asked_for():
+    from vllm_wna16_plugin.kernels import hopper_ops
+
+    p = make_moe_problem(M=32, H=2048, I=192, E=128, top_k=8, bits=4, gs1=128, gs2=64, seed=0)
+    args, kw = _cuda(p)
+    x, w13, w2, s13, s2, topk_w, topk_ids = args
+    state = hopper_ops.prepare(w13, w2, s13, s2, 128, 64, kernel_group=128)
+    out = hopper_ops.fused_moe_hopper(x, state, topk_w, topk_ids, hopper_ops.HopperLaunch(32))
+    assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), BF16, "groups of 128 in the kernel")
+
+
 def _runner(args, *, hopper: bool, explicit: bool):
     from vllm_wna16_plugin import compose
     from vllm_wna16_plugin.launch_plan import LayerRunner

@@ -33,7 +33,8 @@ def _problem(E=8, top_k=2, H=4096, I=3584, gs=128, **kw) -> MoEProblem:  # noqa:
     scheme = kw.pop("scheme", None) or WNA16Scheme(
         bits=4, group_size=gs, has_zero_point=False, pack_format=PackFormat.GPTQ
     )
-    return MoEProblem(scheme=scheme, hidden=H, intermediate=I, num_experts=E, global_num_experts=E, top_k=top_k,
+    glob = kw.pop("global_num_experts", E)
+    return MoEProblem(scheme=scheme, hidden=H, intermediate=I, num_experts=E, global_num_experts=glob, top_k=top_k,
                       group_size_w13=gs if gs > 0 else H, group_size_w2=gs if gs > 0 else I, platform="cuda", sm=90,
                       options=RunOptions(plan_only=True), **kw)  # fmt: skip
 
@@ -86,6 +87,7 @@ def test_scope_takes_a_real_models_layer():
         (dict(act_dtype=torch.float16), "bfloat16"),
         (dict(activation="gelu"), "silu"),
         (dict(use_ep=True), "expert parallelism"),
+        (dict(global_num_experts=16), "8 local of 16 experts"),  # the functional API's expert_map sets no use_ep
         (dict(apply_router_weight_on_input=True), "apply_router_weight_on_input"),
         (dict(I=96), "N=192"),  # Qwen3-30B-A3B at TP 8: 2I = 192 rows, not whole weight tiles
         (dict(H=4032, gs=64), "N=4032"),  # K=4032 takes 64-wide K tiles; GEMM2's N=4032 is not whole 128-row tiles
@@ -235,3 +237,19 @@ def test_the_rule_on_the_validation_set_it_was_not_fitted_on():
     assert len(got) >= 9
     assert sum(taken for _, _, taken, _ in got) >= 5
     assert all(cost <= 1.01 for *_, cost in got), got
+
+
+def test_no_copy_where_the_engines_token_budget_stays_below_the_rule():
+    """DeepSeek-V3 at TP 4 (E=256, top_k=8): 64 rows per hit expert from M=2048; a budget of 1024 tokens a step never
+    reaches a batch the rule takes, so the layer keeps no hopper copy."""
+    sel = select_backend(_problem(E=256, top_k=8, H=7168, I=512))
+    assert not hopper_takes(sel.problem, 1024, SM90) and hopper_takes(sel.problem, 2048, SM90)
+    assert compose.hopper_composable(sel) is None
+    assert compose.hopper_composable(sel, max_tokens=8192) is None
+    assert "up to the engine's 1024 tokens a step" in compose.hopper_composable(sel, max_tokens=1024)
+
+
+def test_the_token_budget_is_read_from_the_engine_or_none_outside_one():
+    from vllm_wna16_plugin import _vllm
+
+    assert _vllm.max_batched_tokens() is None

@@ -18,6 +18,7 @@ import dataclasses
 
 import torch
 
+from vllm_wna16_plugin import _vllm
 from vllm_wna16_plugin.backends.base import (
     Backend,
     KernelTensors,
@@ -27,6 +28,9 @@ from vllm_wna16_plugin.backends.base import (
     pairs_per_expert,
 )
 from vllm_wna16_plugin.kernels.hopper_ops import K_TILE, N_TILE
+
+logger = _vllm.init_logger(__name__)
+FIRST_RUN = "moe_wna16_plus: the hopper kernel ran its first batch"  # logged once per process
 
 ENV_COMPOSE = "VLLM_WNA16_PLUS_HOPPER"  # auto (default): hold the hopper copy while memory allows; 1: always; 0: never
 
@@ -64,8 +68,11 @@ def hopper_scope(problem: MoEProblem, device=None) -> str | None:
         return f"bfloat16 activations only (the layer's are {str(problem.act_dtype).removeprefix('torch.')})"
     if problem.activation != "silu":
         return f"activation {problem.activation!r}: the hopper kernel fuses silu only"
-    if problem.use_ep:
-        return "expert parallelism (the hopper kernel routes every id to a local expert)"
+    if problem.use_ep or problem.global_num_experts != problem.num_experts:
+        return (
+            f"expert parallelism ({problem.num_experts} local of {problem.global_num_experts} experts): the hopper "
+            "kernel routes every id to a local expert"
+        )
     if problem.apply_router_weight_on_input:
         return "apply_router_weight_on_input (the hopper kernel weights the down projection's output)"
     h, i = problem.hidden, problem.intermediate
@@ -96,6 +103,7 @@ def hopper_copy_bytes(problem: MoEProblem) -> int:
 
 class HopperBackend(Backend):
     name = "hopper"
+    _ran = False  # whether this process logged FIRST_RUN
     description = (
         "plugin sm90 grouped GEMM (csrc/hopper/, CUTLASS: TMA + wgmma, warp-specialised): int4 symmetric, bf16, "
         "for tens of rows per expert up to prefill"
@@ -122,7 +130,12 @@ class HopperBackend(Backend):
     def run(self, problem: MoEProblem, state, x, topk_weights, topk_ids, *, expert_map=None, plan=None):
         from vllm_wna16_plugin.kernels.hopper_ops import HopperLaunch, fused_moe_hopper, token_tile
 
+        if expert_map is not None:  # hopper_scope refuses expert parallelism: an expert_map here is a caller's bug
+            raise ValueError("the hopper backend takes no expert_map (expert parallelism); use triton or cuda")
         launch = plan.launch if plan is not None and isinstance(plan.launch, HopperLaunch) else None
         if launch is None:
             launch = HopperLaunch(token_tile(pairs_per_expert(problem, max(1, x.shape[0]))))
+        if not self._ran:
+            HopperBackend._ran = True
+            logger.info("%s (M=%d tokens, %d-token tiles)", FIRST_RUN, x.shape[0], launch.tile)
         return fused_moe_hopper(x, state, topk_weights, topk_ids, launch)

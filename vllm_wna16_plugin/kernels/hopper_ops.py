@@ -99,26 +99,31 @@ def extension_error() -> str | None:
 KERNEL_GROUP = K_TILE
 
 
-def kernel_scales(scales: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(E, N, K / group_size) scales -> the kernel's (E, K / KERNEL_GROUP, N), N contiguous: each group's scale
-    repeated over its group_size / KERNEL_GROUP K tiles (group_size: a multiple of KERNEL_GROUP, or K)."""
-    repeat = group_size // KERNEL_GROUP
+def kernel_scales(scales: torch.Tensor, group_size: int, kernel_group: int = KERNEL_GROUP) -> torch.Tensor:
+    """(E, N, K / group_size) scales -> the kernel's (E, K / kernel_group, N), N contiguous: each group's scale
+    repeated over its group_size / kernel_group K tiles (group_size: a multiple of kernel_group, or K)."""
+    repeat = group_size // kernel_group
     table = scales.repeat_interleave(repeat, dim=-1) if repeat > 1 else scales
     return table.transpose(1, 2).contiguous()
 
 
-def prepare(w13_qweight, w2_qweight, w13_scales, w2_scales, group_w13: int, group_w2: int) -> HopperState:
+def prepare(
+    w13_qweight, w2_qweight, w13_scales, w2_scales, group_w13: int, group_w2: int, *, kernel_group: int = KERNEL_GROUP
+) -> HopperState:
     """The hopper copy of a layer in the plugin's kernel layout (int4, symmetric: uint8 (E, N, K/2), scales
     (E, N, G) with groups of group_w13 / group_w2 along K). A new copy of the weights (their signed, reordered form)
-    and of the scales (kernel_scales)."""
+    and of the scales (kernel_scales). kernel_group: the scales' group size in the kernel; anything but
+    KERNEL_GROUP is for the diagnosis of the group-128 fault only (bench/hopper_group_diag.py)."""
     ext = _extension()
     e, n1, _ = w13_qweight.shape
     h, inter = w2_qweight.shape[1], n1 // 2
-    s13, s2 = kernel_scales(w13_scales, group_w13), kernel_scales(w2_scales, group_w2)
+    g13, g2 = min(kernel_group, group_w13), min(kernel_group, group_w2)
+    s13 = kernel_scales(w13_scales, group_w13, g13)
+    s2 = kernel_scales(w2_scales, group_w2, g2)
     consts = ext.layer_constants(e, n1, h, h, inter, s13.shape[1], s2.shape[1], w13_qweight.device)
     return HopperState(
         ext.prepare_weights(w13_qweight.contiguous()), ext.prepare_weights(w2_qweight.contiguous()),
-        s13, s2, consts, KERNEL_GROUP, KERNEL_GROUP,
+        s13, s2, consts, g13, g2,
     )  # fmt: skip
 
 

@@ -684,7 +684,7 @@ def _hopper_line(device, selection) -> str:
     takes = [m for m in BATCH_SIZES
              if launch_plan(composed.problem, m, device, selection=composed).backend == "hopper"]  # fmt: skip
     return (f"with the hopper kernel where memory allows ({ENV_COMPOSE}; {here}): M={', '.join(map(str, takes))} "
-            "run on hopper when no partner above takes them")  # fmt: skip
+            "run on hopper, before Marlin's batches and after Humming's where either is composed")  # fmt: skip
 
 
 def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_configs: bool = True,

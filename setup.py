@@ -116,6 +116,19 @@ def cutlass_version(root: Path) -> tuple[int, int] | None:
     return (int(found[0].group(1)), int(found[1].group(1))) if all(found) else None
 
 
+def curand_include(cuda_home: str | None, site_packages: Path) -> tuple[str | None, bool]:
+    """(a directory holding curand_kernel.h, whether it is the toolkit's own): CUTLASS's utility headers (the
+    weights' reorder, cutlass/util/mixed_dtype_utils.hpp) include it. A toolkit without curand (CI's, 2026-12-06)
+    takes the nvidia-curand wheel's that torch installs (site-packages/nvidia/<cu13|curand>/include), added after
+    the toolkit's headers; None where neither has it."""
+    home = Path(cuda_home or "/usr/local/cuda")
+    own = [home / "include" / "curand_kernel.h", *sorted(home.glob("targets/*/include/curand_kernel.h"))]
+    if found := [f for f in own if f.exists()]:
+        return str(found[0].parent), True
+    found = sorted((site_packages / "nvidia").glob("*/include/curand_kernel.h"))
+    return (str(found[0].parent), False) if found else (None, False)
+
+
 def builds_sm90(archs: str) -> bool:
     """Whether TORCH_CUDA_ARCH_LIST ("8.0;9.0;10.0", "9.0a", "9.0+PTX") names sm90."""
     return any(a.strip().split("+")[0].rstrip("a") == "9.0" for a in archs.replace(" ", ";").split(";"))
@@ -144,7 +157,17 @@ def hopper_extension(CUDAExtension, archs: str, abi: str, link: list[str]):  # n
                                "(WNA16_PLUS_SKIP_HOPPER=1 builds without them)")  # fmt: skip
         _note(f"not building the hopper kernels: {where}")
         return None
-    _note(f"building the hopper kernels for sm90a (CUTLASS from {where})")
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    curand, own = curand_include(CUDA_HOME, Path(torch.__file__).resolve().parents[1])
+    if curand is None:
+        why = "CUTLASS's utility headers need curand_kernel.h: neither the CUDA toolkit nor torch's nvidia wheels have it"
+        if os.environ.get("WNA16_PLUS_REQUIRE_CUDA") == "1":
+            raise RuntimeError(f"WNA16_PLUS_REQUIRE_CUDA=1 but the hopper kernels cannot be built: {why}")
+        _note(f"not building the hopper kernels: {why}")
+        return None
+    after = [] if own else ["-Xcompiler", f"-idirafter,{curand}"]  # after the toolkit's own headers
+    _note(f"building the hopper kernels for sm90a (CUTLASS from {where}{'' if own else f'; curand from {curand}'})")
     hopper = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "hopper").glob("*.cu"))
     return CUDAExtension(
         name="vllm_wna16_plugin._hopper",
@@ -156,7 +179,7 @@ def hopper_extension(CUDAExtension, archs: str, abi: str, link: list[str]):  # n
             "cxx": ["-O3", abi],
             "nvcc": ["-O3", abi, "-DNDEBUG", "--expt-relaxed-constexpr", "-gencode=arch=compute_90a,code=sm_90a",
                      "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-                     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"],
+                     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__", *after],
         },  # fmt: skip
         extra_link_args=link,
         py_limited_api=False,

@@ -82,3 +82,19 @@ def test_cutlass_older_than_the_kernels_need_is_refused_by_its_version(tmp_path)
     (tmp_path / "include" / "cutlass").mkdir(parents=True)
     (tmp_path / "include" / "cutlass" / "version.h").write_text("#define CUTLASS_MAJOR 3\n#define CUTLASS_MINOR 5\n")
     assert version(tmp_path) == (3, 5) < (4, 2)
+
+
+def test_curand_comes_from_the_toolkit_else_from_torchs_nvidia_wheels(tmp_path):
+    """CUTLASS's utility headers include curand_kernel.h, which CI's toolkit lacks (its first build with the hopper
+    kernels failed there); torch's nvidia-curand wheel has it."""
+    scope = _load("curand_include")
+    scope["Path"] = Path
+    curand_include = scope["curand_include"]
+    toolkit, site = tmp_path / "cuda", tmp_path / "site"
+    (toolkit / "include").mkdir(parents=True)
+    assert curand_include(str(toolkit), site) == (None, False)
+    (site / "nvidia" / "cu13" / "include").mkdir(parents=True)
+    (site / "nvidia" / "cu13" / "include" / "curand_kernel.h").write_text("")
+    assert curand_include(str(toolkit), site) == (str(site / "nvidia" / "cu13" / "include"), False)
+    (toolkit / "include" / "curand_kernel.h").write_text("")
+    assert curand_include(str(toolkit), site) == (str(toolkit / "include"), True)

@@ -456,6 +456,30 @@ def test_a_layer_with_the_hopper_copy_hands_it_its_batches_or_falls_back(vllm_cp
         _assert_close(out, ref, "M=6 after the fallback")
 
 
+def test_a_hopper_copy_that_cannot_be_prepared_leaves_the_partners(vllm_cpu, monkeypatch, caplog):
+    """Both copies composed (Marlin's and the hopper kernel's); the hopper copy fails to prepare: the layer keeps
+    Marlin's for the batches its rule takes, with a warning naming the hopper kernel."""
+    import dataclasses
+
+    from vllm_wna16_plugin import compose, launch_plan
+    from vllm_wna16_plugin.backends import hopper, registry
+
+    partner, broken = _FakeHumming(False), _FakeHumming(True)
+    chosen = dataclasses.replace(compose.partner_named("marlin"), takes=lambda problem, m, device: m >= 4)
+    monkeypatch.setattr(compose, "partners", lambda: (chosen,))
+    monkeypatch.setattr(compose, "composable_with", lambda selection, name: None)
+    monkeypatch.setattr(compose, "hopper_composable", lambda selection, max_tokens=None: None)
+    monkeypatch.setattr(hopper, "hopper_takes", lambda problem, m, device: m >= 4)
+    monkeypatch.setattr(launch_plan, "registry", lambda: {**registry(), "marlin": partner, "hopper": broken})
+    monkeypatch.setattr(launch_plan, "COMPOSABLE", (*launch_plan.COMPOSABLE, "reference"))
+    layer, out, _, text = _load_composed_and_run(vllm_cpu, monkeypatch, caplog, seed=23)
+    assert "the hopper kernel could not be prepared (RuntimeError: nvrtc: compile failed)" in text
+    assert "runs its other copy" in text and partner.prepared >= 1
+    options = layer.quant_method.problem.options
+    assert options.compose_with == "marlin" and not options.hopper
+    assert bool((out == 7).all()) and layer.quant_method.runner.plan(6).backend == "marlin"
+
+
 @pytest.mark.interpreter
 def test_processing_an_act_order_layer_again_without_a_load_keeps_it_right(vllm_cpu, monkeypatch):
     """process_weights_after_loading leaves an act-order layer's parameters sorted by g_idx (which keeps the

@@ -356,27 +356,26 @@ def make_moe_method(scheme: WNA16Scheme, moe_config, prefix: str):
 
         def _build_runner(self) -> LayerRunner:
             """The layer's runner; a composed layer whose partner or hopper copy cannot be prepared (a compile or
-            memory failure, say) falls back to the plugin's kernels alone, with a warning."""
+            memory failure, say) leaves that copy out, with a warning: first the hopper copy, then the partner's, down
+            to the plugin's kernels alone."""
             try:
                 return LayerRunner(self.selection, self.tensors)
             except Exception as exc:  # noqa: BLE001 - a partner's prepare is not ours to trust at load
                 options = self.selection.problem.options
                 if not (options.compose_with or options.hopper):
                     raise
-                names = [compose.partner_named(options.compose_with).label] if options.compose_with else []
-                names += ["the hopper kernel"] if options.hopper else []
+                dropped = "the hopper kernel" if options.hopper else compose.partner_named(options.compose_with).label
+                keep = "its other copy" if options.hopper and options.compose_with else "the plugin's kernels alone"
                 logger.warning(
-                    "moe_wna16_plus: %s: %s could not be prepared (%s: %s); the layer runs the plugin's "
-                    "cuda / triton kernels at every batch size", self.prefix, " and ".join(names),
-                    type(exc).__name__, exc,
+                    "moe_wna16_plus: %s: %s could not be prepared (%s: %s); the layer runs %s where it ran",
+                    self.prefix, dropped, type(exc).__name__, exc, keep,
                 )  # fmt: skip
+                change = dict(hopper=False) if options.hopper else dict(compose_with=None)
                 problem = self.selection.problem
-                plain = dataclasses.replace(
-                    problem, options=dataclasses.replace(problem.options, compose_with=None, hopper=False)
-                )
+                plain = dataclasses.replace(problem, options=dataclasses.replace(problem.options, **change))
                 self.selection = dataclasses.replace(self.selection, problem=plain)
                 self.problem = plain
-                return LayerRunner(self.selection, self.tensors)
+                return self._build_runner()
 
         def _own_w2_groups(self, scales: torch.Tensor, qzeros: torch.Tensor | None):
             """This rank's groups of the down projection's (E, H, G_full) scales and (E, H*bits/8, G_full)

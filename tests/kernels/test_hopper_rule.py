@@ -249,7 +249,23 @@ def test_no_copy_where_the_engines_token_budget_stays_below_the_rule():
     assert "up to the engine's 1024 tokens a step" in compose.hopper_composable(sel, max_tokens=1024)
 
 
-def test_the_token_budget_is_read_from_the_engine_or_none_outside_one():
+def test_the_token_budget_is_read_from_the_engines_scheduler_config(monkeypatch):
+    """_vllm.max_batched_tokens: the current config's scheduler_config.max_num_batched_tokens where it is a positive
+    int, else None (outside an engine vLLM hands back a default config: 2048 tokens on 0.26)."""
+    from types import SimpleNamespace
+
+    vllm_config = pytest.importorskip("vllm.config")
     from vllm_wna16_plugin import _vllm
 
+    for value, want in ((4096, 4096), (None, None), (0, None), (True, None), ("2048", None)):
+        config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=value))
+        monkeypatch.setattr(vllm_config, "get_current_vllm_config", lambda config=config: config)
+        assert _vllm.max_batched_tokens() == want, value
+    monkeypatch.setattr(vllm_config, "get_current_vllm_config", lambda: SimpleNamespace())
+    assert _vllm.max_batched_tokens() is None
+
+    def no_config():
+        raise RuntimeError("no current config")
+
+    monkeypatch.setattr(vllm_config, "get_current_vllm_config", no_config)
     assert _vllm.max_batched_tokens() is None

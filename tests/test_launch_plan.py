@@ -483,3 +483,27 @@ def test_odd_real_shapes_plan_legally_everywhere_and_run_right_in_the_interprete
                                      w2_qzeros=s.w2_qzeros, expert_map=expert_map, global_num_experts=e_global,
                                      a_perm=s.a_perm, configs=configs, use_td=False)  # fmt: skip
         assert_close_scaled(out, ref, dtype, f"sm90 plan {configs}: {what}")
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("m, top_k", [(3, 2), (5, 1)])
+def test_vllm_padding_rows_add_nothing_to_the_real_rows(backend, m, top_k):
+    """vLLM 0.34's routers give CUDA-graph and DP padding rows expert id -1 (VLLM_MOE_SKIP_PADDING, on by default;
+    a graph capture's dummy batch is all padding). The runner (the hot path: it trusts the router, no validation)
+    must skip those pairs, and the real rows must come out as the reference computes them without the padding.
+    (The GPU backends: tests/kernels/test_backends_gpu.py.)"""
+    from tests.kernels.conftest import assert_close_scaled, make_moe_problem
+    from vllm_wna16_plugin.ops import make_problem
+    from vllm_wna16_plugin.reference import fused_moe_wna16_ref
+
+    p = make_moe_problem(M=m, H=64, I=64, E=4, top_k=top_k, bits=4, gs1=32, seed=m)
+    x, w13, w2, s13, s2, topk_w, topk_ids = p.args()
+    problem = make_problem(x, w13, w2, s13, s2, topk_ids, bits=4, group_size=32, has_zero_point=False)
+    runner = LayerRunner(select_backend(problem, backend, "test"), KernelTensors(w13, w2, s13, s2))
+    real = m - 2
+    padded = topk_ids.clone()
+    padded[real:] = -1
+    out = runner.run(x, topk_w, padded)
+    ref = fused_moe_wna16_ref(x[:real], w13, w2, s13, s2, topk_w[:real], topk_ids[:real], bits=4)
+    assert_close_scaled(out[:real], ref, torch.bfloat16, f"{backend}: M={m}, 2 padding rows")
+    runner.run(x, topk_w, padded.fill_(-1))  # a capture's dummy batch: all padding

@@ -7,7 +7,8 @@
 //   h  = grouped GEMM1(a1, W13)                 (M * top_k, 2I)  bf16
 //   a2 = silu(h[:, :I]) * h[:, I:]              (M * top_k, I)   bf16
 //   d2 = grouped GEMM2(a2, W2)                  (M * top_k, H)   bf16
-//   out[t] = sum_j w[t, j] * d2[pair_row[t * top_k + j]]        float32 sum, bf16 out
+//   out[t] = sum_j w[t, j] * d2[pair_row[t * top_k + j]]        float32 sum, bf16 out; pairs whose id is
+//                                                               outside [0, E) (vLLM's padding, -1) skipped
 //
 // Weights: the plugin's kernel layout (E, N, K/2) uint8, even k in the low nibble, symmetric (midpoint 8),
 // made signed (q - 8: XOR 0x8 per nibble, CUTLASS's int4b_t) and reordered per expert at prepare
@@ -121,8 +122,10 @@ struct GemmPointers {
 };
 
 // One block: counts pairs per expert, their offsets, each pair's row in expert order (pair_row), the token
-// of each row (row_token), and both GEMMs' problems and pointers. Routed ids must be in [0, E): the caller
-// refuses expert parallelism's foreign ids.
+// of each row (row_token), and both GEMMs' problems and pointers. A pair whose id is outside [0, E) takes no
+// row (pair_row -1) and adds nothing to its token: vLLM 0.34's routers mark CUDA-graph and DP padding rows
+// with id -1 (VLLM_MOE_SKIP_PADDING), and a graph capture's dummy batch is all padding. (Expert parallelism's
+// foreign ids are refused by the caller, not skipped here.)
 __global__ void route_kernel(const int32_t* __restrict__ topk_ids, int pairs, int top_k, int E, int N1, int K1,
                              int N2, int K2, int G1, int G2, int32_t* __restrict__ pair_row,
                              int32_t* __restrict__ row_token, const uint8_t* w13, const ElementScale* s13,
@@ -131,9 +134,13 @@ __global__ void route_kernel(const int32_t* __restrict__ topk_ids, int pairs, in
   extern __shared__ int32_t smem[];
   int32_t* count = smem;       // E
   int32_t* offset = smem + E;  // E
+  int32_t* routed = smem + 2 * E;  // 1: the pairs with an id in [0, E)
   for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
   __syncthreads();
-  for (int p = threadIdx.x; p < pairs; p += blockDim.x) atomicAdd(&count[topk_ids[p]], 1);
+  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int e = topk_ids[p];
+    if (e >= 0 && e < E) atomicAdd(&count[e], 1);
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     int32_t run = 0;
@@ -141,6 +148,7 @@ __global__ void route_kernel(const int32_t* __restrict__ topk_ids, int pairs, in
       offset[e] = run;
       run += count[e];
     }
+    *routed = run;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -160,10 +168,16 @@ __global__ void route_kernel(const int32_t* __restrict__ topk_ids, int pairs, in
   __syncthreads();
   for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
     const int e = topk_ids[p];
+    if (e < 0 || e >= E) {
+      pair_row[p] = -1;
+      continue;
+    }
     const int32_t row = offset[e] + atomicAdd(&count[e], 1);
     pair_row[p] = row;
     row_token[row] = p / top_k;
   }
+  // the rows past the routed ones (as many as padding pairs) are gathered from token 0 and never read by a GEMM
+  for (int row = *routed + threadIdx.x; row < pairs; row += blockDim.x) row_token[row] = 0;
 }
 
 // a1[row] = x[row_token[row]]: one block per row, 16-byte copies (H % 8 == 0)
@@ -199,17 +213,19 @@ __global__ void silu_mul_kernel(const int4* __restrict__ h, int4* __restrict__ a
   }
 }
 
-// out[t, :] = sum_j w[t, j] * d2[pair_row[t * top_k + j], :] in float: one block per token, eight values a
-// thread (H % 8 == 0)
+// out[t, :] = sum_j w[t, j] * d2[pair_row[t * top_k + j], :] in float over the routed pairs (pair_row >= 0):
+// one block per token, eight values a thread (H % 8 == 0); a token with no routed pair gets zeros
 __global__ void combine_kernel(const int4* __restrict__ d2, const int32_t* __restrict__ pair_row,
                                const float* __restrict__ topk_w, int4* __restrict__ out, int top_k, int vecs_per_row) {
   const int64_t t = blockIdx.x;
   for (int v = threadIdx.x; v < vecs_per_row; v += blockDim.x) {
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int j = 0; j < top_k; ++j) {
+      const int32_t row = pair_row[t * top_k + j];
+      if (row < 0) continue;  // a padding pair (id outside [0, E)): adds nothing
       const float w = topk_w[t * top_k + j];
       Bf16x8 d;
-      d.vec = d2[int64_t(pair_row[t * top_k + j]) * vecs_per_row + v];
+      d.vec = d2[int64_t(row) * vecs_per_row + v];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float2 f = __bfloat1622float2(d.pair[q]);
@@ -299,7 +315,7 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
     g[i].d = reinterpret_cast<ElementD**>(p64 + (i * 4 + 3) * E);
     g[i].problem = pr + i * E;
   }
-  route_kernel<<<1, 1024, 2 * E * sizeof(int32_t), stream>>>(
+  route_kernel<<<1, 1024, (2 * E + 1) * sizeof(int32_t), stream>>>(
       topk_ids.data_ptr<int32_t>(), int(pairs), int(top_k), int(E), int(N1), int(H), int(N2), int(K2), int(G1),
       int(G2), pair_row.data_ptr<int32_t>(), row_token.data_ptr<int32_t>(), w13.data_ptr<uint8_t>(),
       reinterpret_cast<const ElementScale*>(s13.data_ptr()), w2.data_ptr<uint8_t>(),

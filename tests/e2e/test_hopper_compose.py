@@ -1,7 +1,7 @@
 """auto with the hopper kernel's copy end to end (GPU only; sm90 with the plugin's hopper extension built).
 
 The checkpoint's experts (8 of 2048 x 2048, top_k 2) take 64 rows per hit expert from 256 tokens: the prefill of
-the long prompt is the hopper rule's (backends/hopper.py), the 4-sequence decode batches (CUDA graphs) stay on the
+the long prompts is the hopper rule's (backends/hopper.py), the 5-sequence decode batches (CUDA graphs) stay on the
 plugin's other kernels. The vLLM partners are turned off (VLLM_WNA16_PLUS_HUMMING=0, VLLM_WNA16_PLUS_MARLIN=0) so
 that the hopper kernel takes those batches on any vLLM. The layer must log the hopper copy and generate like the
 float32 reference backend; VLLM_WNA16_PLUS_HOPPER=0 must leave the copy out and generate alike, and
@@ -25,8 +25,32 @@ from tests.e2e.conftest import (
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
-# a prefill batch of well over 256 tokens: the hopper rule's side of the layer
-LONG_PROMPT = " ".join(["The river runs to the sea and the sea runs to the sky ."] * 14)  # about 380 tokens
+# two prompts of about 200 tokens each (the runs' context is 256 tokens, 16 of them generated; the checkpoint's
+# tokenizer is byte-level, about two characters a token): the first step's batch of about 430 tokens gives each
+# of 8 experts about 107 rows, the hopper rule's side of the layer
+SENTENCES = (
+    "The river runs to the sea and the sea runs to the sky .",
+    "Seven small boats sail past the old stone lighthouse at dawn .",
+)
+
+
+def long_prompts(checkpoint, tokens: int = 200) -> list[str]:
+    """Each sentence repeated, word by word, to at most `tokens` tokens of the checkpoint's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(checkpoint))
+    prompts = []
+    for sentence in SENTENCES:
+        words, text = sentence.split(), ""
+        for i in range(10 * tokens):
+            longer = f"{text} {words[i % len(words)]}".strip()
+            if len(tok(longer).input_ids) > tokens:
+                break
+            text = longer
+        prompts.append(text)
+    return prompts
+
+
 NO_PARTNER = {"VLLM_WNA16_PLUS_HUMMING": "0", "VLLM_WNA16_PLUS_MARLIN": "0"}
 
 
@@ -48,7 +72,7 @@ def checkpoint(tmp_path_factory):
 
 
 def test_auto_with_the_hopper_copy_generates_like_the_reference(checkpoint, tmp_path_factory):
-    prompts = [*PROMPTS, LONG_PROMPT]
+    prompts = [*PROMPTS, *long_prompts(checkpoint)]
     runs = {
         "ref": dict(backend="reference", eager=True),
         "auto": dict(env=NO_PARTNER),

@@ -66,9 +66,27 @@ def test_invariants_on_random_routing(M, top_k, E, block):
     assert (expert_ids[t // block :] == -1).all()
 
 
+def test_vllm_padding_ids_are_skipped_like_the_rest_were_alone():
+    """-1 (vLLM 0.34's padding rows) takes no slot: the same runs as the routed pairs alone, pair indices kept."""
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 6, (9, 2), generator=gen, dtype=torch.int32)
+    padded = ids.clone()
+    padded[6:] = -1  # the last three rows: padding
+    s_pad, e_pad, t_pad = moe_align_block_size_torch(padded, 4, 6)
+    s_real, e_real, t_real = moe_align_block_size_torch(ids[:6], 4, 6)
+    assert t_pad.item() == t_real.item()
+    live = s_pad[: t_pad.item()]
+    assert sorted(live[live < 18].tolist()) == list(range(12))  # the 12 routed pairs once, none of the padding
+    assert e_pad[: t_pad.item() // 4].tolist() == e_real[: t_real.item() // 4].tolist()
+    s_all, _, t_all = moe_align_block_size_torch(padded.fill_(-1), 4, 6)  # all padding: nothing to align
+    assert t_all.item() == 0 and (s_all == 18).all()
+
+
 def test_bad_ids_raise():
     with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, num_experts=4\)"):
         moe_align_block_size_torch(torch.tensor([[4]]), 16, 4)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, num_experts=4\)"):
+        moe_align_block_size_torch(torch.tensor([[-2]]), 16, 4)
     with pytest.raises(ValueError, match=r"expert_map has 3 entries but num_experts=4"):
         moe_align_block_size_torch(torch.tensor([[1]]), 16, 4, torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match=r"block_size_m=0"):

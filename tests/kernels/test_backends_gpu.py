@@ -123,3 +123,34 @@ def test_gpu_triton_words_form_on_wide_k_tiles(H, I, gs, zp, bk, dtype):
     out = fused_moe_wna16_triton(*args, **kw, configs=cfg, use_td=False, options=KernelOptions(dot_nibbles="words"))
     torch.cuda.synchronize()
     assert_close_scaled(out.cpu(), ref, dtype, f"words form BLOCK_K={bk}")
+
+
+@pytest.mark.parametrize("M", [4, 64, 300])
+@pytest.mark.parametrize("backend", ["triton", "cuda", "hopper"])
+def test_gpu_backend_skips_vllm_padding_rows(backend, M):
+    """vLLM 0.34's routers give CUDA-graph and DP padding rows expert id -1 (VLLM_MOE_SKIP_PADDING, on by
+    default; a graph capture's dummy batch is all padding). The layer's hot path (LayerRunner, which trusts the
+    router) must skip those pairs: no fault, and every real row as the reference computes it without them."""
+    from vllm_wna16_plugin.backends import KernelTensors
+    from vllm_wna16_plugin.launch_plan import LayerRunner
+    from vllm_wna16_plugin.oracle import select_backend
+
+    p = make_moe_problem(M=M, H=1024, I=512, E=8, top_k=2, bits=4, gs1=128, seed=M)
+    x, w13, w2, s13, s2, topk_w, topk_ids = [t.cuda() for t in p.args()]
+    problem = make_problem(x, w13, w2, s13, s2, topk_ids, bits=4, group_size=128, has_zero_point=False)
+    reason = registry()[backend].incompatibility_reason(dataclasses.replace(problem, options=RunOptions(explicit=True)))
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    runner = LayerRunner(select_backend(problem, backend, "test"), KernelTensors(w13, w2, s13, s2))
+    real = M - M // 3
+    padded = topk_ids.clone()
+    padded[real:] = -1
+    out = runner.run(x, topk_w, padded)
+    torch.cuda.synchronize()
+    ref = fused_moe_wna16_ref(x[:real], w13, w2, s13, s2, topk_w[:real], topk_ids[:real], bits=4).cpu()
+    assert_close_scaled(out[:real].cpu(), ref, torch.bfloat16, f"{backend} M={M}, {M - real} padding rows")
+    if backend == "hopper":  # its combine writes zeros for a token without a routed pair
+        assert not out[real:].any(), "hopper: a padding row is not zero"
+    everything = padded.clone().fill_(-1)  # a capture's dummy batch
+    runner.run(x, topk_w, everything)
+    torch.cuda.synchronize()

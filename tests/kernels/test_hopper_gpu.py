@@ -139,6 +139,28 @@ def test_cuda_graph_replays_on_new_inputs():
     assert_close_scaled(out.cpu(), ref, BF16, "graph replay on new inputs")
 
 
+def test_a_graph_captured_on_padding_replays_a_real_batch():
+    """vLLM 0.34 captures its decode graphs on dummy batches whose rows are all padding (router ids -1): the
+    captured layer must then run the real batches replayed into it."""
+    M, H, I, E, top_k = 8, 1024, 512, 8, 2  # noqa: E741
+    p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=4, gs1=128, seed=5)
+    args, kw = _cuda(p)
+    runner = _runner(args, hopper=True, explicit=True)
+    x, topk_w, topk_ids = args[0].clone(), args[5].clone(), args[6].clone().fill_(-1)
+    runner.run(x, topk_w, topk_ids)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = runner.run(x, topk_w, topk_ids)
+    topk_ids.copy_(args[6])
+    topk_ids[-1] = -1  # the last row still padding
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = fused_moe_wna16_ref(x[:-1], *args[1:5], topk_w[:-1], args[6][:-1], **kw).cpu()
+    assert_close_scaled(out[:-1].cpu(), ref, BF16, "graph captured on padding, replayed on a real batch")
+    assert not out[-1].any(), "the padding row is not zero"
+
+
 def test_auto_with_hopper_hands_it_the_batches_its_rule_takes(monkeypatch):
     from vllm_wna16_plugin.backends import hopper
 

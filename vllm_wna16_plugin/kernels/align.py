@@ -1,6 +1,6 @@
 """moe_align_block_size in plain torch, with vLLM's semantics (the CPU/test stand-in).
 
-Flatten topk_ids (M, top_k) to M*top_k routed pairs; group the pairs by expert and
+Flatten topk_ids (M, top_k) to M*top_k pairs (those of id -1, vLLM's padding rows, skipped); group them by expert and
 pad each expert's run to a multiple of block_size_m. The GPU caller passes vLLM's
 `moe_align_block_size` instead; both return the same contract:
 
@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import torch
 
+# vLLM 0.34's routers give CUDA-graph and DP padding rows this id (VLLM_MOE_SKIP_PADDING); its
+# moe_align_block_size(..., ignore_invalid_experts=True), which the GPU path calls, skips them: so does this
+PADDING_ID = -1
+
 
 def moe_align_block_size_torch(
-    topk_ids: torch.Tensor,  # (M, top_k) int, global expert ids in [0, num_experts)
+    topk_ids: torch.Tensor,  # (M, top_k) int, global expert ids in [0, num_experts), or PADDING_ID (skipped)
     block_size_m: int,
     num_experts: int,  # the global number of experts
     expert_map: torch.Tensor | None = None,  # (num_experts,) int: local id or -1
@@ -45,20 +49,21 @@ def moe_align_block_size_torch(
     expert_ids = torch.full((max_blocks,), -1, dtype=torch.int32, device=device)
     if numel == 0:
         return sorted_ids, expert_ids, torch.zeros(1, dtype=torch.int32, device=device)
-    if int(flat.min()) < 0 or int(flat.max()) >= num_experts:
+    routed = flat != PADDING_ID
+    if bool(routed.any()) and (int(flat[routed].min()) < 0 or int(flat[routed].max()) >= num_experts):
         raise ValueError(
-            f"topk_ids must lie in [0, num_experts={num_experts}); got "
-            f"[{int(flat.min())}, {int(flat.max())}]: pass the global number of experts"
+            f"topk_ids must lie in [0, num_experts={num_experts}) (or be {PADDING_ID}, vLLM's padding); got "
+            f"[{int(flat[routed].min())}, {int(flat[routed].max())}]: pass the global number of experts"
         )
 
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat[routed], minlength=num_experts)
     padded = (counts + block_size_m - 1) // block_size_m * block_size_m
     run_start = torch.cumsum(padded, 0) - padded  # first slot of each expert's run
     first_pair = torch.cumsum(counts, 0) - counts  # rank offset of each expert in sorted order
 
-    order = torch.argsort(flat, stable=True)
+    order = torch.argsort(flat, stable=True)[int((~routed).sum()) :]  # the padding pairs (-1) sort first: dropped
     expert_of = flat[order]
-    rank = torch.arange(numel, device=device) - first_pair[expert_of]
+    rank = torch.arange(order.numel(), device=device) - first_pair[expert_of]
     sorted_ids[run_start[expert_of] + rank] = order.to(torch.int32)
 
     block_expert = torch.repeat_interleave(torch.arange(num_experts, device=device), padded // block_size_m)

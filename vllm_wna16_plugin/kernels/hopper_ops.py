@@ -135,7 +135,8 @@ def fused_moe_hopper(
     launch: HopperLaunch,
 ) -> torch.Tensor:
     """The layer for one batch: sum_j topk_weights[t, j] * down(silu(gate) * up)(x[t]) over expert topk_ids[t, j].
-    x (M, H) bf16; the router's ids must name this layer's experts (the backend refuses expert parallelism)."""
+    x (M, H) bf16; the router's ids name this layer's experts (the backend refuses expert parallelism), or are -1:
+    vLLM 0.34's padding rows (CUDA-graph / DP padding), which add nothing (a row of padding only is zero)."""
     ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else topk_ids.to(torch.int32)
     weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
     return _extension().moe_forward(

@@ -16,7 +16,7 @@
 #   FLOOR_ARGS='--experts 2,8' bash bench/gpu_session.sh floor      # the read floor of a call's bytes
 #   BENCH_ARGS='--catalog dev --tp 1,2,4,8 --m 1,4,16,64,256' bash bench/gpu_session.sh bench   # the rules' dev set
 #   USER_TUNE_MODEL=Mixtral-8x22B bash bench/gpu_session.sh user-tune   # vllm-wna16 tune on a catalog model
-#   PY_SCRIPT=bench/hopper_group_diag.py bash bench/gpu_session.sh py    # a script beside the bundle's vLLM
+#   PY_SCRIPT="bench/hopper_group_diag.py --seeds 20" bash bench/gpu_session.sh py   # a script beside the bundle's vLLM
 # The lent machine's copy of the tree has no .git: BENCH_COMMIT names the commit in result files.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -150,7 +150,8 @@ for step in "$@"; do
     bench) log="$OUT/bench.log"; [ -e "$log" ] && log="$OUT/bench-at-${SECONDS}s.log"
            timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$log" | tail -70
            cp vllm_wna16_plugin/crossover/*.json "$OUT/res/" 2>/dev/null ;;  # --write-crossover rewrites it
-    # any script with the bundle's vLLM and the built plugin (the repository on its path): PY_SCRIPT, PY_TIMEOUT
+    # any script with the bundle's vLLM and the built plugin (the repository on its path): PY_SCRIPT (the script and
+    # its arguments, split on spaces), PY_TIMEOUT
     py) PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} timeout ${PY_TIMEOUT:-300} python3 ${PY_SCRIPT:?PY_SCRIPT names the script} 2>&1 \
           | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/py.log" | tail -40 ;;
     *) echo "unknown step $step"; rc=2 ;;

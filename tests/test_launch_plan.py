@@ -486,24 +486,39 @@ def test_odd_real_shapes_plan_legally_everywhere_and_run_right_in_the_interprete
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-@pytest.mark.parametrize("m, top_k", [(3, 2), (5, 1)])
-def test_vllm_padding_rows_add_nothing_to_the_real_rows(backend, m, top_k):
+@pytest.mark.parametrize(
+    "m, top_k, zp, ep", [(3, 2, False, False), (5, 1, True, False), (4, 2, False, True)], ids=["m3", "m5-zp", "m4-ep"]
+)
+def test_vllm_padding_rows_add_nothing_to_the_real_rows(backend, m, top_k, zp, ep):
     """vLLM 0.34's routers give CUDA-graph and DP padding rows expert id -1 (VLLM_MOE_SKIP_PADDING, on by default;
     a graph capture's dummy batch is all padding). The runner (the hot path: it trusts the router, no validation)
-    must skip those pairs, and the real rows must come out as the reference computes them without the padding.
-    (The GPU backends: tests/kernels/test_backends_gpu.py.)"""
+    must skip those pairs, with an expert_map too (expert parallelism: -1 must not index the map), and the real
+    rows must come out as the reference computes them without the padding. (The GPU backends:
+    tests/kernels/test_backends_gpu.py.)"""
     from tests.kernels.conftest import assert_close_scaled, make_moe_problem
     from vllm_wna16_plugin.ops import make_problem
     from vllm_wna16_plugin.reference import fused_moe_wna16_ref
 
-    p = make_moe_problem(M=m, H=64, I=64, E=4, top_k=top_k, bits=4, gs1=32, seed=m)
+    e_local = 4
+    p = make_moe_problem(M=m, H=64, I=64, E=e_local, top_k=top_k, bits=4, gs1=32, zp=zp, seed=m,
+                         num_global_experts=2 * e_local if ep else None)  # fmt: skip
     x, w13, w2, s13, s2, topk_w, topk_ids = p.args()
-    problem = make_problem(x, w13, w2, s13, s2, topk_ids, bits=4, group_size=32, has_zero_point=False)
-    runner = LayerRunner(select_backend(problem, backend, "test"), KernelTensors(w13, w2, s13, s2))
+    zeros = dict(w13_qzeros=p.w13.qzeros, w2_qzeros=p.w2.qzeros)
+    expert_map = None
+    if ep:  # the odd global experts on this rank, the even ones elsewhere; token 0 keeps a local one
+        expert_map = torch.full((2 * e_local,), -1, dtype=torch.int32)
+        expert_map[1::2] = torch.arange(e_local, dtype=torch.int32)
+        topk_ids[0, 0] = 1 if topk_ids[0, 1:].ne(1).all() else 3
+    problem = make_problem(x, w13, w2, s13, s2, topk_ids, bits=4, group_size=32, has_zero_point=zp,
+                           expert_map=expert_map, **zeros)  # fmt: skip
+    runner = LayerRunner(select_backend(problem, backend, "test"), KernelTensors(w13, w2, s13, s2, **zeros))
     real = m - 2
     padded = topk_ids.clone()
     padded[real:] = -1
-    out = runner.run(x, topk_w, padded)
-    ref = fused_moe_wna16_ref(x[:real], w13, w2, s13, s2, topk_w[:real], topk_ids[:real], bits=4)
+    out = runner.run(x, topk_w, padded, expert_map)
+    ref = fused_moe_wna16_ref(x[:real], w13, w2, s13, s2, topk_w[:real], topk_ids[:real], bits=4,
+                              expert_map=expert_map, **zeros)  # fmt: skip
     assert_close_scaled(out[:real], ref, torch.bfloat16, f"{backend}: M={m}, 2 padding rows")
-    runner.run(x, topk_w, padded.fill_(-1))  # a capture's dummy batch: all padding
+    if backend == "reference":  # it adds nothing for a padding pair: a row of padding only is zero
+        assert not out[real:].any(), "reference: a padding row is not zero"
+    runner.run(x, topk_w, padded.fill_(-1), expert_map)  # a capture's dummy batch: all padding

@@ -40,8 +40,8 @@ def fused_moe_ref(
 ) -> torch.Tensor:
     """out[t] = sum_j w[t,j] * W2[e] @ act(W13[e] @ x[t]), e = topk_ids[t,j]; (M, H) in x.dtype.
 
-    Tokens routed to an expert that `expert_map` marks -1 (not on this rank)
-    contribute nothing. With apply_router_weight_on_input the weight scales x
+    Tokens routed to an expert that `expert_map` marks -1 (not on this rank), and pairs of id -1 (vLLM
+    0.34's padding rows), contribute nothing. With apply_router_weight_on_input the weight scales x
     before GEMM1 instead of the GEMM2 output.
 
     Eager, it visits the experts the tokens picked (torch.unique: a host sync). While a CUDA graph
@@ -54,7 +54,8 @@ def fused_moe_ref(
     out = torch.zeros(m, w2.shape[1], dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     if expert_map is not None:
-        ids = expert_map.to(ids.device).long()[ids]
+        local = expert_map.to(ids.device).long()[ids.clamp(min=0)]
+        ids = torch.where(ids >= 0, local, -1)  # an id of -1 (vLLM's padding row) names no expert
     if capture_safe is None:
         capture_safe = x.is_cuda and torch.cuda.is_current_stream_capturing()
 

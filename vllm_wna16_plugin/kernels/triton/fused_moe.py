@@ -574,8 +574,9 @@ def _fused_moe_wna16_pair_kernel(
     c_ptrs = c_ptr + split.to(tl.int64) * stride_cs + pair * stride_cm + offs_cn
     c_mask = offs_cn < N
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-    if HAS_EXPERT_MAP:
-        expert = tl.load(expert_map_ptr + expert).to(tl.int64)
+    if HAS_EXPERT_MAP:  # an id of -1 (vLLM's padding row) never indexes the map
+        mapped = tl.load(expert_map_ptr + tl.maximum(expert, 0)).to(tl.int64)
+        expert = tl.where(expert >= 0, mapped, -1)
     if expert == -1:
         _store_c(c_ptrs, tl.zeros((BLOCK_SIZE_N,), dtype=tl.float32), c_mask, SPLIT_K, compute_type, INTERPRET_BF16)
         return

@@ -5,8 +5,8 @@
 //   D_e[j, n] = sum_k A_e[j, k] * s_e[k / g, n] * q_e[n, k]     for the rows j of expert e
 //
 // q_e: expert e's (N, K) weights as signed int4 (CUTLASS's int4b_t), reordered so that a thread's 8 values
-// feed the wgmma fragment without shuffles; s_e: (G, N) bf16 scales, N contiguous; A_e: (rows, K) bf16, row
-// major; D_e: (rows, N) bf16. The weights are the MMA's M side ("swap AB": 128 weight rows a tile), the tokens
+// feed the wgmma fragment without shuffles; s_e: (G, N) scales, N contiguous; A_e: (rows, K), row major; D_e:
+// (rows, N): bf16 or fp16, one type per build (Act). The weights are the MMA's M side ("swap AB": 128 weight rows a tile), the tokens
 // its N side (TileN a tile), so an expert with few rows fills its tiles with a narrow TileN.
 #pragma once
 
@@ -26,10 +26,19 @@ namespace wna16_hopper {
 
 using namespace cute;
 
-using MmaType = cutlass::bfloat16_t;
+// the activations', scales' and outputs' type of a build (Act); bf16 is the layout's reference type below
+template <Act A>
+struct ActType;
+template <>
+struct ActType<Act::kBf16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct ActType<Act::kFp16> {
+  using type = cutlass::half_t;
+};
+using MmaType = cutlass::bfloat16_t;  // the shapes, alignments and the weights' reorder (the same for fp16)
 using QuantType = cutlass::int4b_t;
-using ElementScale = MmaType;
-using ElementD = MmaType;
 using ElementAccumulator = float;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 using UnderlyingProblemShape = ProblemShape::UnderlyingProblemShape;
@@ -46,7 +55,7 @@ using LayoutA_T = typename cutlass::layout::LayoutTranspose<LayoutA>::type;
 using LayoutD_T = typename cutlass::layout::LayoutTranspose<LayoutD>::type;
 constexpr int kAlignA = 128 / cutlass::sizeof_bits<MmaType>::value;
 constexpr int kAlignB = 128 / cutlass::sizeof_bits<QuantType>::value;
-constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+constexpr int kAlignD = 128 / cutlass::sizeof_bits<MmaType>::value;
 
 using StrideA = cute::remove_pointer_t<cutlass::detail::TagToStrideA_t<LayoutA*>>;
 using StrideB = cute::remove_pointer_t<cutlass::detail::TagToStrideB_t<LayoutB*>>;
@@ -56,9 +65,17 @@ using ValueShuffle = Layout<Shape<_2, _4>, Stride<_4, _1>>;
 using MmaAtomShape = Layout<Shape<_1, _1>>;
 using LayoutAtomQuant = decltype(cutlass::compute_memory_reordering_atom<MmaType, MmaAtomShape, ValueShuffle>());
 using LayoutB_Reordered = decltype(cute::tile_to_shape(LayoutAtomQuant{}, Layout<Shape<int, int, Int<1>>, StrideB>{}));
+// one prepared copy of the weights serves both activation types: their wgmma fragments take the same reorder
+static_assert(std::is_same_v<LayoutAtomQuant, decltype(cutlass::compute_memory_reordering_atom<cutlass::half_t,
+                                                                                                MmaAtomShape,
+                                                                                                ValueShuffle>())>,
+              "fp16 and bf16 must share the weights' reorder");
 
-template <int TileN>
+template <int TileN, Act A>
 struct GroupedKernel {
+  using Element = typename ActType<A>::type;  // activations, scales and outputs
+  using ElementScale = Element;
+  using ElementD = Element;
   using TileShape = Shape<_128, Int<TileN>, Int<kTileK>>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -66,7 +83,7 @@ struct GroupedKernel {
       kAlignD, ElementD, LayoutD_T*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cute::tuple<QuantType, ElementScale>, LayoutB_Reordered*,
-      kAlignB, MmaType, LayoutA_T*, kAlignA, ElementAccumulator, TileShape, ClusterShape,
+      kAlignB, Element, LayoutA_T*, kAlignA, ElementAccumulator, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
@@ -94,7 +111,7 @@ struct GroupedKernel {
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {g.num_groups, static_cast<UnderlyingProblemShape*>(g.problems), nullptr},
         {reinterpret_cast<const QuantType**>(g.b), static_cast<LayoutB_Reordered*>(g.layout_b),
-         reinterpret_cast<const MmaType**>(g.a), static_cast<StrideA*>(g.stride_a),
+         reinterpret_cast<const Element**>(g.a), static_cast<StrideA*>(g.stride_a),
          reinterpret_cast<const ElementScale**>(g.s), static_cast<StrideS*>(g.stride_s), g.group_size},
         {fusion, nullptr, static_cast<StrideC*>(g.stride_c), reinterpret_cast<ElementD**>(g.d),
          static_cast<StrideD*>(g.stride_d)},
@@ -102,22 +119,22 @@ struct GroupedKernel {
   }
 };
 
-// every width shares the per-expert arrays moe_w4a16_grouped.cu writes once per layer
-using StrideS = typename GroupedKernel<64>::StrideS;
-using StrideD = typename GroupedKernel<64>::StrideD;
-using StrideC = typename GroupedKernel<64>::StrideC;
+// every width and type shares the per-expert arrays moe_w4a16_grouped.cu writes once per layer
+using StrideS = typename GroupedKernel<64, Act::kBf16>::StrideS;
+using StrideD = typename GroupedKernel<64, Act::kBf16>::StrideD;
+using StrideC = typename GroupedKernel<64, Act::kBf16>::StrideC;
 
-template <int TileN>
+template <int TileN, Act A>
 size_t grouped_workspace_bytes(const GroupedArgs& g) {
-  return GroupedKernel<TileN>::Gemm::get_workspace_size(GroupedKernel<TileN>::arguments(g));
+  return GroupedKernel<TileN, A>::Gemm::get_workspace_size(GroupedKernel<TileN, A>::arguments(g));
 }
 
-template <int TileN>
+template <int TileN, Act A>
 const char* run_grouped(const GroupedArgs& g) {
-  using K = GroupedKernel<TileN>;
+  using K = GroupedKernel<TileN, A>;
   static_assert(std::is_same_v<typename K::StrideS, StrideS> && std::is_same_v<typename K::StrideD, StrideD> &&
                     std::is_same_v<typename K::StrideC, StrideC>,
-                "every tile width must take the layer's one set of strides");
+                "every tile width and type must take the layer's one set of strides");
   auto args = K::arguments(g);
   typename K::Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "CUTLASS cannot implement this grouped GEMM";
@@ -127,3 +144,10 @@ const char* run_grouped(const GroupedArgs& g) {
 }
 
 }  // namespace wna16_hopper
+
+// One (width, type) pair's instantiation: the body of each grouped_tile_<N>[_fp16].cu, built in parallel
+#define WNA16_HOPPER_INSTANTIATE(TILE, ACT)                                                 \
+  namespace wna16_hopper {                                                                  \
+  template size_t grouped_workspace_bytes<TILE, Act::ACT>(const GroupedArgs&);              \
+  template const char* run_grouped<TILE, Act::ACT>(const GroupedArgs&);                     \
+  }

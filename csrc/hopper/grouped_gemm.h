@@ -1,5 +1,5 @@
-// One grouped int4 x bf16 GEMM launch over the routed experts, by token-tile width (grouped_gemm.cuh defines
-// it, one translation unit per width: grouped_tile_<N>.cu). No CUTLASS types here: the arrays are the
+// One grouped int4 x bf16 (or fp16) GEMM launch over the routed experts, by token-tile width and activation type
+// (grouped_gemm.cuh defines it, one translation unit per pair: grouped_tile_<N>.cu, grouped_tile_<N>_fp16.cu). No CUTLASS types here: the arrays are the
 // device-side per-expert arrays moe_w4a16_grouped.cu writes (problem shapes, pointers, strides, layouts).
 #pragma once
 
@@ -10,6 +10,9 @@ namespace wna16_hopper {
 
 // the token-tile widths built (the MMA's N side; the weights take 128 rows a tile)
 constexpr int kTileWidths[] = {32, 64, 128, 256};
+
+// the activations' type, which the scales and the outputs share: each width is built for both
+enum class Act { kBf16, kFp16 };
 
 struct GroupedArgs {
   int num_groups = 0;
@@ -31,9 +34,9 @@ struct GroupedArgs {
 };
 
 // bytes of workspace one launch needs; then the launch (nullptr, or why CUTLASS refused it)
-template <int TileN>
+template <int TileN, Act A>
 size_t grouped_workspace_bytes(const GroupedArgs& args);
-template <int TileN>
+template <int TileN, Act A>
 const char* run_grouped(const GroupedArgs& args);
 
 }  // namespace wna16_hopper

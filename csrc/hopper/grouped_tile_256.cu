@@ -1,7 +1,4 @@
-// The grouped GEMM with a 256-token tile (grouped_gemm.cuh): one translation unit per width, built in parallel.
+// The grouped GEMM with a 256-token tile, bf16 activations (grouped_gemm.cuh).
 #include "grouped_gemm.cuh"
 
-namespace wna16_hopper {
-template size_t grouped_workspace_bytes<256>(const GroupedArgs&);
-template const char* run_grouped<256>(const GroupedArgs&);
-}  // namespace wna16_hopper
+WNA16_HOPPER_INSTANTIATE(256, kBf16)

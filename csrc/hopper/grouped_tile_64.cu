@@ -1,7 +1,4 @@
-// The grouped GEMM with a 64-token tile (grouped_gemm.cuh): one translation unit per width, built in parallel.
+// The grouped GEMM with a 64-token tile, bf16 activations (grouped_gemm.cuh).
 #include "grouped_gemm.cuh"
 
-namespace wna16_hopper {
-template size_t grouped_workspace_bytes<64>(const GroupedArgs&);
-template const char* run_grouped<64>(const GroupedArgs&);
-}  // namespace wna16_hopper
+WNA16_HOPPER_INSTANTIATE(64, kBf16)

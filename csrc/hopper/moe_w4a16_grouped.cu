@@ -1,14 +1,14 @@
-// The routed-experts layer on CUTLASS's Hopper grouped int4 x bf16 GEMM (grouped_gemm.cuh), sm90a:
+// The routed-experts layer on CUTLASS's Hopper grouped int4 x bf16 (or fp16) GEMM (grouped_gemm.cuh), sm90a:
 //
 //   route(topk_ids) -> expert e's pairs at rows [off_e, off_e + count_e) of the expert-sorted pairs, both
 //                      GEMMs' problems (N, count_e, K) and per-expert pointers, on the device (no host sync:
 //                      CUDA-graph safe)
 //   a1 = x[row_token]                           (M * top_k, H)   gather into expert order
-//   h  = grouped GEMM1(a1, W13)                 (M * top_k, 2I)  bf16
-//   a2 = silu(h[:, :I]) * h[:, I:]              (M * top_k, I)   bf16
-//   d2 = grouped GEMM2(a2, W2)                  (M * top_k, H)   bf16
-//   out[t] = sum_j w[t, j] * d2[pair_row[t * top_k + j]]        float32 sum, bf16 out; pairs whose id is
-//                                                               outside [0, E) (vLLM's padding, -1) skipped
+//   h  = grouped GEMM1(a1, W13)                 (M * top_k, 2I)  x's type (bf16 or fp16) throughout
+//   a2 = silu(h[:, :I]) * h[:, I:]              (M * top_k, I)
+//   d2 = grouped GEMM2(a2, W2)                  (M * top_k, H)
+//   out[t] = sum_j w[t, j] * d2[pair_row[t * top_k + j]]        float32 sum; pairs whose id is outside [0, E)
+//                                                               (vLLM's padding, -1) skipped
 //
 // Weights: the plugin's kernel layout (E, N, K/2) uint8, even k in the low nibble, symmetric (midpoint 8),
 // made signed (q - 8: XOR 0x8 per nibble, CUTLASS's int4b_t) and reordered per expert at prepare
@@ -20,19 +20,24 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include "grouped_gemm.cuh"
 
 namespace wna16_hopper {
 
-extern template size_t grouped_workspace_bytes<32>(const GroupedArgs&);
-extern template size_t grouped_workspace_bytes<64>(const GroupedArgs&);
-extern template size_t grouped_workspace_bytes<128>(const GroupedArgs&);
-extern template size_t grouped_workspace_bytes<256>(const GroupedArgs&);
-extern template const char* run_grouped<32>(const GroupedArgs&);
-extern template const char* run_grouped<64>(const GroupedArgs&);
-extern template const char* run_grouped<128>(const GroupedArgs&);
-extern template const char* run_grouped<256>(const GroupedArgs&);
+// built in grouped_tile_<N>[_fp16].cu
+#define WNA16_HOPPER_EXTERN(TILE, ACT)                                                   \
+  extern template size_t grouped_workspace_bytes<TILE, Act::ACT>(const GroupedArgs&); \
+  extern template const char* run_grouped<TILE, Act::ACT>(const GroupedArgs&);
+WNA16_HOPPER_EXTERN(32, kBf16)
+WNA16_HOPPER_EXTERN(64, kBf16)
+WNA16_HOPPER_EXTERN(128, kBf16)
+WNA16_HOPPER_EXTERN(256, kBf16)
+WNA16_HOPPER_EXTERN(32, kFp16)
+WNA16_HOPPER_EXTERN(64, kFp16)
+WNA16_HOPPER_EXTERN(128, kFp16)
+WNA16_HOPPER_EXTERN(256, kFp16)
 
 // ------------------------------------------------------------------------------------------ preparation
 
@@ -113,11 +118,14 @@ torch::Tensor layer_constants(int64_t E, int64_t N1, int64_t K1, int64_t N2, int
 
 // ------------------------------------------------------------------------------------------ routing and glue
 
+// activations, scales and outputs are 16-bit elements of either type (bf16 or fp16): the routing only offsets them
+using Elem16 = uint16_t;
+
 struct GemmPointers {
   const QuantType** b;
-  const MmaType** a;
-  const ElementScale** s;
-  ElementD** d;
+  const Elem16** a;
+  const Elem16** s;
+  Elem16** d;
   UnderlyingProblemShape* problem;
 };
 
@@ -128,9 +136,9 @@ struct GemmPointers {
 // foreign ids are refused by the caller, not skipped here.)
 __global__ void route_kernel(const int32_t* __restrict__ topk_ids, int pairs, int top_k, int E, int N1, int K1,
                              int N2, int K2, int G1, int G2, int32_t* __restrict__ pair_row,
-                             int32_t* __restrict__ row_token, const uint8_t* w13, const ElementScale* s13,
-                             const uint8_t* w2, const ElementScale* s2, const MmaType* a1, ElementD* d1,
-                             const MmaType* a2, ElementD* d2, GemmPointers g1, GemmPointers g2) {
+                             int32_t* __restrict__ row_token, const uint8_t* w13, const Elem16* s13,
+                             const uint8_t* w2, const Elem16* s2, const Elem16* a1, Elem16* d1, const Elem16* a2,
+                             Elem16* d2, GemmPointers g1, GemmPointers g2) {
   extern __shared__ int32_t smem[];
   int32_t* count = smem;       // E
   int32_t* offset = smem + E;  // E
@@ -189,25 +197,41 @@ __global__ void gather_rows_kernel(const int4* __restrict__ x, const int32_t* __
   for (int v = threadIdx.x; v < vecs_per_row; v += blockDim.x) dst[v] = src[v];
 }
 
-// eight bf16 values, one 16-byte load or store
-union Bf16x8 {
+// a pair of 16-bit values (__nv_bfloat162 or __half2) to and from float
+__device__ __forceinline__ float2 to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ float2 to_float2(__half2 v) { return __half22float2(v); }
+template <class T2>
+__device__ __forceinline__ T2 from_floats(float a, float b);
+template <>
+__device__ __forceinline__ __nv_bfloat162 from_floats<__nv_bfloat162>(float a, float b) {
+  return __floats2bfloat162_rn(a, b);
+}
+template <>
+__device__ __forceinline__ __half2 from_floats<__half2>(float a, float b) {
+  return __floats2half2_rn(a, b);
+}
+
+// eight 16-bit values, one 16-byte load or store
+template <class T2>
+union Vec8 {
   int4 vec;
-  __nv_bfloat162 pair[4];
+  T2 pair[4];
 };
 
-// a2[r, i] = silu(h[r, i]) * h[r, I + i], in float, rounded to bf16 once: one block per row, eight values a
-// thread (I % 8 == 0)
+// a2[r, i] = silu(h[r, i]) * h[r, I + i], in float, rounded once: one block per row, eight values a thread
+// (I % 8 == 0); T2 the pair type of the activations
+template <class T2>
 __global__ void silu_mul_kernel(const int4* __restrict__ h, int4* __restrict__ a2, int vecs_per_half) {
   const int64_t row = blockIdx.x;
   const int4* gate = h + row * 2 * vecs_per_half;
   for (int v = threadIdx.x; v < vecs_per_half; v += blockDim.x) {
-    Bf16x8 g, u, o;
+    Vec8<T2> g, u, o;
     g.vec = gate[v];
     u.vec = gate[vecs_per_half + v];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float2 gf = __bfloat1622float2(g.pair[j]), uf = __bfloat1622float2(u.pair[j]);
-      o.pair[j] = __floats2bfloat162_rn(gf.x / (1.0f + __expf(-gf.x)) * uf.x, gf.y / (1.0f + __expf(-gf.y)) * uf.y);
+      const float2 gf = to_float2(g.pair[j]), uf = to_float2(u.pair[j]);
+      o.pair[j] = from_floats<T2>(gf.x / (1.0f + __expf(-gf.x)) * uf.x, gf.y / (1.0f + __expf(-gf.y)) * uf.y);
     }
     a2[row * vecs_per_half + v] = o.vec;
   }
@@ -215,6 +239,7 @@ __global__ void silu_mul_kernel(const int4* __restrict__ h, int4* __restrict__ a
 
 // out[t, :] = sum_j w[t, j] * d2[pair_row[t * top_k + j], :] in float over the routed pairs (pair_row >= 0):
 // one block per token, eight values a thread (H % 8 == 0); a token with no routed pair gets zeros
+template <class T2>
 __global__ void combine_kernel(const int4* __restrict__ d2, const int32_t* __restrict__ pair_row,
                                const float* __restrict__ topk_w, int4* __restrict__ out, int top_k, int vecs_per_row) {
   const int64_t t = blockIdx.x;
@@ -224,18 +249,18 @@ __global__ void combine_kernel(const int4* __restrict__ d2, const int32_t* __res
       const int32_t row = pair_row[t * top_k + j];
       if (row < 0) continue;  // a padding pair (id outside [0, E)): adds nothing
       const float w = topk_w[t * top_k + j];
-      Bf16x8 d;
+      Vec8<T2> d;
       d.vec = d2[int64_t(row) * vecs_per_row + v];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(d.pair[q]);
+        const float2 f = to_float2(d.pair[q]);
         acc[2 * q] += w * f.x;
         acc[2 * q + 1] += w * f.y;
       }
     }
-    Bf16x8 o;
+    Vec8<T2> o;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) o.pair[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+    for (int q = 0; q < 4; ++q) o.pair[q] = from_floats<T2>(acc[2 * q], acc[2 * q + 1]);
     out[t * vecs_per_row + v] = o.vec;
   }
 }
@@ -248,27 +273,28 @@ static int sm_count(int device) {
   return counts[device];
 }
 
-template <int TileN>
+template <int TileN, Act A>
 static void launch_tile(GroupedArgs& g, const torch::Device& device) {
-  const size_t bytes = grouped_workspace_bytes<TileN>(g);
+  const size_t bytes = grouped_workspace_bytes<TileN, A>(g);
   auto ws = torch::empty({int64_t(bytes) + 1}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
   g.workspace = ws.data_ptr();
-  const char* why = run_grouped<TileN>(g);
+  const char* why = run_grouped<TileN, A>(g);
   TORCH_CHECK(why == nullptr, "grouped GEMM with a ", TileN, "-token tile: ", why);
 }
 
+template <Act A>
 static void launch(GroupedArgs& g, int tile, const torch::Device& device) {
   switch (tile) {
-    case 32: return launch_tile<32>(g, device);
-    case 64: return launch_tile<64>(g, device);
-    case 128: return launch_tile<128>(g, device);
-    case 256: return launch_tile<256>(g, device);
+    case 32: return launch_tile<32, A>(g, device);
+    case 64: return launch_tile<64, A>(g, device);
+    case 128: return launch_tile<128, A>(g, device);
+    case 256: return launch_tile<256, A>(g, device);
     default: TORCH_CHECK(false, "tile ", tile, " is not one of 32, 64, 128, 256");
   }
 }
 
 // The layer: x (M, H) bf16, topk_ids (M, top_k) int32, topk_w (M, top_k) float32; w13 / w2 prepared
-// (prepare_weights), s13 (E, G1, 2I) / s2 (E, G2, H) bf16, consts (layer_constants). tile1 / tile2: each
+// (prepare_weights), s13 (E, G1, 2I) / s2 (E, G2, H) in x's type (bf16 or fp16), consts (layer_constants). tile1 / tile2: each
 // GEMM's token-tile width. stages < 6 stops after that many of route (1), gather (2), GEMM1 (3), activation
 // (4), GEMM2 (5) and returns an empty output: a time breakdown by differences.
 torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_w, torch::Tensor w13,
@@ -276,8 +302,10 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
                           int64_t group2, int64_t tile1, int64_t tile2, int64_t stages) {
   const c10::cuda::CUDAGuard guard(x.device());
   auto stream = at::cuda::getCurrentCUDAStream();
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.size(1) % 8 == 0,
-              "x must be contiguous bf16 with H % 8 == 0");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == torch::kBFloat16 || dtype == torch::kHalf) && x.is_contiguous() && x.size(1) % 8 == 0,
+              "x must be contiguous bf16 or fp16 with H % 8 == 0");
+  const bool fp16 = dtype == torch::kHalf;
   TORCH_CHECK(topk_ids.scalar_type() == torch::kInt32 && topk_ids.is_contiguous(), "topk_ids must be contiguous int32");
   TORCH_CHECK(topk_w.scalar_type() == torch::kFloat32 && topk_w.is_contiguous(), "topk_w must be contiguous float32");
   const int64_t M = x.size(0), H = x.size(1), top_k = topk_ids.size(1), pairs = M * top_k;
@@ -286,9 +314,9 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
               "w13 must be (E, 2I, H/2) and w2 (E, H, I/2) for x (M, H)");
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == M && topk_w.sizes() == topk_ids.sizes(),
               "topk_ids and topk_w must be (M, top_k)");
-  TORCH_CHECK(s13.scalar_type() == torch::kBFloat16 && s2.scalar_type() == torch::kBFloat16 && s13.dim() == 3 &&
-                  s2.dim() == 3 && s13.size(0) == E && s2.size(0) == E && s13.size(2) == N1 && s2.size(2) == H,
-              "scales must be bf16 (E, G1, 2I) and (E, G2, H)");
+  TORCH_CHECK(s13.scalar_type() == dtype && s2.scalar_type() == dtype && s13.dim() == 3 && s2.dim() == 3 &&
+                  s13.size(0) == E && s2.size(0) == E && s13.size(2) == N1 && s2.size(2) == H,
+              "scales must be (E, G1, 2I) and (E, G2, H) in x's dtype");
   const int64_t G1 = s13.size(1), G2 = s2.size(1);
   TORCH_CHECK(G1 * group1 == H && G2 * group2 == I, "group sizes ", group1, "/", group2, " do not tile K=", H, "/", I);
   TORCH_CHECK(E <= 4096, "at most 4096 experts (the routing block's shared memory)");
@@ -310,18 +338,18 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
   GemmPointers g[2];
   for (int i = 0; i < 2; ++i) {
     g[i].b = reinterpret_cast<const QuantType**>(p64 + (i * 4 + 0) * E);
-    g[i].a = reinterpret_cast<const MmaType**>(p64 + (i * 4 + 1) * E);
-    g[i].s = reinterpret_cast<const ElementScale**>(p64 + (i * 4 + 2) * E);
-    g[i].d = reinterpret_cast<ElementD**>(p64 + (i * 4 + 3) * E);
+    g[i].a = reinterpret_cast<const Elem16**>(p64 + (i * 4 + 1) * E);
+    g[i].s = reinterpret_cast<const Elem16**>(p64 + (i * 4 + 2) * E);
+    g[i].d = reinterpret_cast<Elem16**>(p64 + (i * 4 + 3) * E);
     g[i].problem = pr + i * E;
   }
   route_kernel<<<1, 1024, (2 * E + 1) * sizeof(int32_t), stream>>>(
       topk_ids.data_ptr<int32_t>(), int(pairs), int(top_k), int(E), int(N1), int(H), int(N2), int(K2), int(G1),
       int(G2), pair_row.data_ptr<int32_t>(), row_token.data_ptr<int32_t>(), w13.data_ptr<uint8_t>(),
-      reinterpret_cast<const ElementScale*>(s13.data_ptr()), w2.data_ptr<uint8_t>(),
-      reinterpret_cast<const ElementScale*>(s2.data_ptr()), reinterpret_cast<const MmaType*>(a1.data_ptr()),
-      reinterpret_cast<ElementD*>(d1.data_ptr()), reinterpret_cast<const MmaType*>(a2.data_ptr()),
-      reinterpret_cast<ElementD*>(d2.data_ptr()), g[0], g[1]);
+      reinterpret_cast<const Elem16*>(s13.data_ptr()), w2.data_ptr<uint8_t>(),
+      reinterpret_cast<const Elem16*>(s2.data_ptr()), reinterpret_cast<const Elem16*>(a1.data_ptr()),
+      reinterpret_cast<Elem16*>(d1.data_ptr()), reinterpret_cast<const Elem16*>(a2.data_ptr()),
+      reinterpret_cast<Elem16*>(d2.data_ptr()), g[0], g[1]);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (stages < 2) return out;
   gather_rows_kernel<<<int(pairs), 128, 0, stream>>>(reinterpret_cast<const int4*>(x.data_ptr()),
@@ -338,8 +366,13 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
   for (int i = 0; i < 2; ++i) {
     if (i == 1) {
       if (stages < 4) return out;
-      silu_mul_kernel<<<int(pairs), 128, 0, stream>>>(reinterpret_cast<const int4*>(d1.data_ptr()),
-                                                      reinterpret_cast<int4*>(a2.data_ptr()), int(I / 8));
+      auto* h = reinterpret_cast<const int4*>(d1.data_ptr());
+      auto* a = reinterpret_cast<int4*>(a2.data_ptr());
+      if (fp16) {
+        silu_mul_kernel<__half2><<<int(pairs), 128, 0, stream>>>(h, a, int(I / 8));
+      } else {
+        silu_mul_kernel<__nv_bfloat162><<<int(pairs), 128, 0, stream>>>(h, a, int(I / 8));
+      }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (stages < 5) return out;
     }
@@ -359,12 +392,22 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
     args.device = x.device().index();
     args.sm_count = sm_count(args.device);
     args.stream = stream;
-    launch(args, int(tiles[i]), x.device());
+    if (fp16) {
+      launch<Act::kFp16>(args, int(tiles[i]), x.device());
+    } else {
+      launch<Act::kBf16>(args, int(tiles[i]), x.device());
+    }
   }
   if (stages < 6) return out;
-  combine_kernel<<<int(M), 128, 0, stream>>>(reinterpret_cast<const int4*>(d2.data_ptr()),
-                                             pair_row.data_ptr<int32_t>(), topk_w.data_ptr<float>(),
-                                             reinterpret_cast<int4*>(out.data_ptr()), int(top_k), int(H / 8));
+  auto* d = reinterpret_cast<const int4*>(d2.data_ptr());
+  auto* o = reinterpret_cast<int4*>(out.data_ptr());
+  if (fp16) {
+    combine_kernel<__half2><<<int(M), 128, 0, stream>>>(d, pair_row.data_ptr<int32_t>(), topk_w.data_ptr<float>(),
+                                                        o, int(top_k), int(H / 8));
+  } else {
+    combine_kernel<__nv_bfloat162><<<int(M), 128, 0, stream>>>(d, pair_row.data_ptr<int32_t>(),
+                                                               topk_w.data_ptr<float>(), o, int(top_k), int(H / 8));
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

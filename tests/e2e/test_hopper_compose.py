@@ -92,3 +92,19 @@ def test_auto_with_the_hopper_copy_generates_like_the_reference(checkpoint, tmp_
     named = run_llm(checkpoint, dirs["hopper"], prompts=prompts, **runs["hopper"]).require_ok("backend hopper")
     assert HOPPER_RAN in named.log, named.log[-3000:]
     assert_generates_like(named, ref, "VLLM_WNA16_PLUS_BACKEND=hopper")
+
+
+def test_auto_with_the_hopper_copy_in_float16_generates_like_the_reference(checkpoint, tmp_path_factory):
+    """The same checkpoint run with --dtype float16: the hopper kernel's fp16 build takes the prefill."""
+    prompts = [*PROMPTS, *long_prompts(checkpoint)]
+    runs = {
+        "ref": dict(backend="reference", eager=True, dtype="float16"),
+        "auto": dict(env=NO_PARTNER, dtype="float16"),
+    }
+    dirs = {tag: tmp_path_factory.mktemp(f"{tag}-fp16") for tag in runs}
+    for tag, kwargs in runs.items():
+        start_llm(checkpoint, dirs[tag], prompts=prompts, **kwargs)
+    ref = run_llm(checkpoint, dirs["ref"], prompts=prompts, **runs["ref"]).require_ok("reference, float16")
+    composed = run_llm(checkpoint, dirs["auto"], prompts=prompts, **runs["auto"]).require_ok("auto, float16")
+    assert HOPPER_COMPOSED in composed.log and HOPPER_RAN in composed.log, composed.log[-3000:]
+    assert_generates_like(composed, ref, "auto with the hopper copy, float16")

@@ -1,7 +1,8 @@
 """The hopper backend (CUTLASS's sm90 grouped GEMM, kernels/hopper_ops.py) against the float reference on an sm90
-GPU with the extension built (skipped elsewhere): every token tile, group sizes 64 / 128 and channel-wise, experts
-with no rows, M from 1 to prefill, CUDA-graph capture and replay on new inputs, auto's plan handing it the batches
-its rule takes, and compute-sanitizer memcheck / racecheck of its kernels."""
+GPU with the extension built (skipped elsewhere): every token tile in bf16 and fp16, group sizes 64 / 128 and
+channel-wise, experts with no rows, M from 1 to prefill, vLLM's padding rows, CUDA-graph capture and replay on new
+inputs, auto's plan handing it the batches its rule takes, and compute-sanitizer memcheck / racecheck of its
+kernels."""
 
 from __future__ import annotations
 
@@ -65,16 +66,30 @@ def test_hopper_matches_reference(H, I, E, top_k, gs, gs2, M):  # noqa: E741
     assert_close_scaled(out.cpu(), ref, BF16, f"hopper M={M}")
 
 
+@pytest.mark.parametrize("M", [1, 64, 1100])
+@pytest.mark.parametrize("H, I, E, top_k, gs, gs2", CASES)
+def test_hopper_fp16_matches_reference(H, I, E, top_k, gs, gs2, M):  # noqa: E741
+    """The fp16 build of each tile (grouped_tile_<N>_fp16.cu) and the glue's fp16 form, at fp16's tolerance."""
+    p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=4, gs1=gs, gs2=gs2, dtype=torch.float16, seed=M + H)
+    args, kw = _cuda(p)
+    ref = fused_moe_wna16_ref(*args, **kw).cpu()
+    out = fused_moe_wna16(*args, group_size=gs if gs == gs2 else (gs, gs2), backend="hopper", **kw)
+    torch.cuda.synchronize()
+    assert out.dtype == torch.float16
+    assert_close_scaled(out.cpu(), ref, torch.float16, f"hopper fp16 M={M}")
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("tile", [32, 64, 128, 256])
-def test_every_token_tile_matches_reference(tile):
+def test_every_token_tile_matches_reference(tile, dtype):
     from vllm_wna16_plugin.kernels import hopper_ops
 
-    p = make_moe_problem(M=200, H=1024, I=512, E=8, top_k=2, bits=4, gs1=128, seed=tile)
+    p = make_moe_problem(M=200, H=1024, I=512, E=8, top_k=2, bits=4, gs1=128, dtype=dtype, seed=tile)
     args, kw = _cuda(p)
     x, w13, w2, s13, s2, topk_w, topk_ids = args
     state = hopper_ops.prepare(w13, w2, s13, s2, 128, 128)
     out = hopper_ops.fused_moe_hopper(x, state, topk_w, topk_ids, hopper_ops.HopperLaunch(tile))
-    assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), BF16, f"tile {tile}")
+    assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), dtype, f"tile {tile}")
 
 
 @pytest.mark.parametrize("M", [16, 32, 48, 64])

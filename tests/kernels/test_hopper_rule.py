@@ -69,6 +69,7 @@ def test_token_tile_matches_the_measured_best_tiles():
 def test_scope_takes_a_real_models_layer():
     assert hopper_scope(_problem(), SM90) is None
     assert hopper_scope(_problem(gs=-1), SM90) is None  # channel-wise
+    assert hopper_scope(_problem(act_dtype=torch.float16), SM90) is None  # each tile is built for fp16 too
     assert hopper_scope(_problem(E=128, top_k=8, H=2048, I=768, gs=64), SM90) is None
 
 
@@ -84,7 +85,7 @@ def test_scope_takes_a_real_models_layer():
             "int4 symmetric",
         ),
         (dict(has_g_idx=True), "act order"),
-        (dict(act_dtype=torch.float16), "bfloat16"),
+        (dict(act_dtype=torch.float32), "bfloat16 or float16"),
         (dict(activation="gelu"), "silu"),
         (dict(use_ep=True), "expert parallelism"),
         (dict(global_num_experts=16), "8 local of 16 experts"),  # the functional API's expert_map sets no use_ep

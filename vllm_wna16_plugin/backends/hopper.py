@@ -1,8 +1,8 @@
 """`hopper`: the plugin's sm90 grouped GEMM (CUTLASS: TMA, wgmma, warp-specialised, persistent over every expert's
 tiles; kernels/hopper_ops.py) for batches whose experts take tens of rows or more, up to prefill.
 
-Its rules: sm90 (the extension is built for sm90a only, where setup.py finds CUTLASS's headers), bfloat16
-activations, int4 symmetric weights in groups of a multiple of 64 or channel-wise, K (hidden, intermediate) a
+Its rules: sm90 (the extension is built for sm90a only, where setup.py finds CUTLASS's headers), bfloat16 or
+float16 activations, int4 symmetric weights in groups of a multiple of 64 or channel-wise, K (hidden, intermediate) a
 multiple of 64 and N (2 x intermediate, hidden) of 128, silu, no act order, no expert parallelism, the router's
 weights applied after the down projection. It holds its own copy of the experts (signed, reordered for the
 wgmma fragment: hopper_copy_bytes).
@@ -54,7 +54,7 @@ HOPPER_RULE_SOURCE = "hopper rule (backends/hopper.py; H100 dev set 2026-12-06-d
 
 def hopper_scope(problem: MoEProblem, device=None) -> str | None:
     """Why the hopper kernel cannot run this layer (on `device`, default the layer's), or None when it can: what
-    the extension is built for (sm90a, bf16, int4 symmetric, K tile 64, weight tile 128 rows) and the layer
+    the extension is built for (sm90a, bf16 / fp16, int4 symmetric, K tile 64, weight tile 128 rows) and the layer
     forms its launcher takes. Never raises."""
     device = device or layer_device(problem)
     if device.platform != "cuda" or device.sm != 90:
@@ -64,8 +64,8 @@ def hopper_scope(problem: MoEProblem, device=None) -> str | None:
         return f"int4 symmetric only (the layer is {scheme.describe()})"
     if problem.has_g_idx:
         return "act order (desc_act) is not supported by the hopper kernel"
-    if problem.act_dtype != torch.bfloat16:
-        return f"bfloat16 activations only (the layer's are {str(problem.act_dtype).removeprefix('torch.')})"
+    if problem.act_dtype not in (torch.bfloat16, torch.float16):
+        return f"bfloat16 or float16 activations only (the layer's are {str(problem.act_dtype).removeprefix('torch.')})"
     if problem.activation != "silu":
         return f"activation {problem.activation!r}: the hopper kernel fuses silu only"
     if problem.use_ep or problem.global_num_experts != problem.num_experts:
@@ -93,7 +93,7 @@ def hopper_takes(problem: MoEProblem, m: int, device) -> bool:
 
 
 def hopper_copy_bytes(problem: MoEProblem) -> int:
-    """Bytes of the hopper copy of a layer: both GEMMs' int4 weights and bf16 scales of every local expert, the
+    """Bytes of the hopper copy of a layer: both GEMMs' int4 weights and 16-bit scales of every local expert, the
     scales in groups of hopper_ops.KERNEL_GROUP."""
     from vllm_wna16_plugin.kernels.hopper_ops import KERNEL_GROUP
 
@@ -105,7 +105,7 @@ class HopperBackend(Backend):
     name = "hopper"
     _ran = False  # whether this process logged FIRST_RUN
     description = (
-        "plugin sm90 grouped GEMM (csrc/hopper/, CUTLASS: TMA + wgmma, warp-specialised): int4 symmetric, bf16, "
+        "plugin sm90 grouped GEMM (csrc/hopper/, CUTLASS: TMA + wgmma, warp-specialised): int4 symmetric, bf16 / fp16, "
         "for tens of rows per expert up to prefill"
     )
 
@@ -125,7 +125,9 @@ class HopperBackend(Backend):
     def prepare(self, problem: MoEProblem, tensors: KernelTensors):
         from vllm_wna16_plugin.kernels import hopper_ops
 
-        return hopper_ops.prepare(*tensors.weights(), problem.group_size_w13, problem.group_size_w2)
+        return hopper_ops.prepare(
+            *tensors.weights(), problem.group_size_w13, problem.group_size_w2, dtype=problem.act_dtype
+        )
 
     def run(self, problem: MoEProblem, state, x, topk_weights, topk_ids, *, expert_map=None, plan=None):
         from vllm_wna16_plugin.kernels.hopper_ops import HopperLaunch, fused_moe_hopper, token_tile

@@ -1,4 +1,4 @@
-"""The `hopper` backend's launcher: the routed-experts layer on CUTLASS's sm90 grouped int4 x bf16 GEMM
+"""The `hopper` backend's launcher: the routed-experts layer on CUTLASS's sm90 grouped int4 x bf16 (or fp16) GEMM
 (csrc/hopper/, built by setup.py as vllm_wna16_plugin._hopper where CUTLASS's headers are found):
 
     route -> gather x into expert order -> grouped GEMM1 -> silu(gate) * up -> grouped GEMM2 -> weighted sum
@@ -108,18 +108,27 @@ def kernel_scales(scales: torch.Tensor, group_size: int, kernel_group: int = KER
 
 
 def prepare(
-    w13_qweight, w2_qweight, w13_scales, w2_scales, group_w13: int, group_w2: int, *, kernel_group: int = KERNEL_GROUP
+    w13_qweight,
+    w2_qweight,
+    w13_scales,
+    w2_scales,
+    group_w13: int,
+    group_w2: int,
+    *,
+    kernel_group: int = KERNEL_GROUP,
+    dtype: torch.dtype | None = None,
 ) -> HopperState:
     """The hopper copy of a layer in the plugin's kernel layout (int4, symmetric: uint8 (E, N, K/2), scales
     (E, N, G) with groups of group_w13 / group_w2 along K). A new copy of the weights (their signed, reordered form)
     and of the scales (kernel_scales). kernel_group: the scales' group size in the kernel; anything but
-    KERNEL_GROUP is for the diagnosis of the group-128 fault only (bench/hopper_group_diag.py)."""
+    KERNEL_GROUP is for the diagnosis of the group-128 fault only (bench/hopper_group_diag.py). dtype: the layer's
+    activation dtype (bf16 or fp16), which the kernel reads the scales in (default: the scales' own)."""
     ext = _extension()
     e, n1, _ = w13_qweight.shape
     h, inter = w2_qweight.shape[1], n1 // 2
     g13, g2 = min(kernel_group, group_w13), min(kernel_group, group_w2)
-    s13 = kernel_scales(w13_scales, group_w13, g13)
-    s2 = kernel_scales(w2_scales, group_w2, g2)
+    s13 = kernel_scales(w13_scales, group_w13, g13).to(dtype or w13_scales.dtype)
+    s2 = kernel_scales(w2_scales, group_w2, g2).to(dtype or w2_scales.dtype)
     consts = ext.layer_constants(e, n1, h, h, inter, s13.shape[1], s2.shape[1], w13_qweight.device)
     return HopperState(
         ext.prepare_weights(w13_qweight.contiguous()), ext.prepare_weights(w2_qweight.contiguous()),
@@ -135,7 +144,7 @@ def fused_moe_hopper(
     launch: HopperLaunch,
 ) -> torch.Tensor:
     """The layer for one batch: sum_j topk_weights[t, j] * down(silu(gate) * up)(x[t]) over expert topk_ids[t, j].
-    x (M, H) bf16; the router's ids name this layer's experts (the backend refuses expert parallelism), or are -1:
+    x (M, H) bf16 or fp16 (the scales' dtype: the layer's); the router's ids name this layer's experts (the backend refuses expert parallelism), or are -1:
     vLLM 0.34's padding rows (CUDA-graph / DP padding), which add nothing (a row of padding only is zero)."""
     ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else topk_ids.to(torch.int32)
     weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()

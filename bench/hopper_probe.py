@@ -109,8 +109,8 @@ class Layer:
 
     def __call__(self, x, topk_w, topk_ids, stages: int = 6, tile: int | None = None):
         t = tile or self.tile(x.shape[0])
-        return self.ext.moe_forward(x, topk_ids, topk_w, self.w13, self.s13, self.w2, self.s2, self.consts, GROUP,
-                                    GROUP, t, t, stages)  # fmt: skip
+        return self.ext.moe_forward(x, topk_ids, topk_w, self.w13, self.s13, self.w2, self.s2, None, None,
+                                    self.consts, GROUP, GROUP, t, t, stages)  # fmt: skip
 
 
 def routing(m, E, top_k, gen):  # noqa: N803

@@ -181,11 +181,12 @@ def _cuda_plan(problem: MoEProblem, m: int, device: DeviceSpec, layer_backend: s
 
 def _hopper_plan(problem: MoEProblem, m: int, device: DeviceSpec, layer_backend: str, why: list[str]) -> LaunchPlan:
     from vllm_wna16_plugin.backends.base import pairs_per_expert
-    from vllm_wna16_plugin.kernels.hopper_ops import HopperLaunch, token_tile
+    from vllm_wna16_plugin.backends.hopper import hopper_tile
+    from vllm_wna16_plugin.kernels.hopper_ops import HopperLaunch
 
     rows = pairs_per_expert(problem, m)
-    launch = HopperLaunch(token_tile(rows))
-    source = f"hopper_ops.token_tile: {rows:.1f} rows per hit expert"
+    launch = HopperLaunch(hopper_tile(problem, rows))
+    source = f"hopper_ops.token_tile over the built widths: {rows:.1f} rows per hit expert"
     gemms = tuple(
         GemmPlan(gemm, "cutlass grouped", (128, launch.tile, 64), form=form, tensor_descriptors="TMA", source=source)
         for gemm, form in (("gate/up", "weights as the MMA's M, warp-specialised"), ("down", "weights as the MMA's M"))

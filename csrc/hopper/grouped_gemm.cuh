@@ -71,18 +71,23 @@ static_assert(std::is_same_v<LayoutAtomQuant, decltype(cutlass::compute_memory_r
                                                                                                 ValueShuffle>())>,
               "fp16 and bf16 must share the weights' reorder");
 
-template <int TileN, Act A>
+template <int TileN, Act A, bool Z>
 struct GroupedKernel {
-  using Element = typename ActType<A>::type;  // activations, scales and outputs
+  static_assert(tile_is_built(TileN, A, Z), "a (width, type, zero points) triple outside tile_is_built");
+  using Element = typename ActType<A>::type;  // activations, scales, zero tables and outputs
   using ElementScale = Element;
   using ElementD = Element;
+  // the weights' operand: int4 with scales, and with zero tables where Z (CUTLASS's ConvertAndScaleWithZero:
+  // w = s * q + z, per group)
+  using QuantOperand =
+      cute::conditional_t<Z, cute::tuple<QuantType, ElementScale, Element>, cute::tuple<QuantType, ElementScale>>;
   using TileShape = Shape<_128, Int<TileN>, Int<kTileK>>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator, void, LayoutD_T*,
       kAlignD, ElementD, LayoutD_T*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, cute::tuple<QuantType, ElementScale>, LayoutB_Reordered*,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, QuantOperand, LayoutB_Reordered*,
       kAlignB, Element, LayoutA_T*, kAlignA, ElementAccumulator, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -107,12 +112,17 @@ struct GroupedKernel {
     fusion.beta_ptr_array = nullptr;
     fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
     fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
+    // the mainloop's operands swapped: its A is the weights (b), its B the activations (a); the zero tables share
+    // the scales' strides
+    typename CollectiveMainloop::Arguments mainloop{
+        reinterpret_cast<const QuantType**>(g.b), static_cast<LayoutB_Reordered*>(g.layout_b),
+        reinterpret_cast<const Element**>(g.a),   static_cast<StrideA*>(g.stride_a),
+        reinterpret_cast<const ElementScale**>(g.s), static_cast<StrideS*>(g.stride_s), g.group_size};
+    if constexpr (Z) mainloop.ptr_Z = reinterpret_cast<const Element**>(g.z);
     return typename Gemm::Arguments{
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {g.num_groups, static_cast<UnderlyingProblemShape*>(g.problems), nullptr},
-        {reinterpret_cast<const QuantType**>(g.b), static_cast<LayoutB_Reordered*>(g.layout_b),
-         reinterpret_cast<const Element**>(g.a), static_cast<StrideA*>(g.stride_a),
-         reinterpret_cast<const ElementScale**>(g.s), static_cast<StrideS*>(g.stride_s), g.group_size},
+        mainloop,
         {fusion, nullptr, static_cast<StrideC*>(g.stride_c), reinterpret_cast<ElementD**>(g.d),
          static_cast<StrideD*>(g.stride_d)},
         hw};
@@ -120,18 +130,18 @@ struct GroupedKernel {
 };
 
 // every width and type shares the per-expert arrays moe_w4a16_grouped.cu writes once per layer
-using StrideS = typename GroupedKernel<64, Act::kBf16>::StrideS;
-using StrideD = typename GroupedKernel<64, Act::kBf16>::StrideD;
-using StrideC = typename GroupedKernel<64, Act::kBf16>::StrideC;
+using StrideS = typename GroupedKernel<64, Act::kBf16, false>::StrideS;
+using StrideD = typename GroupedKernel<64, Act::kBf16, false>::StrideD;
+using StrideC = typename GroupedKernel<64, Act::kBf16, false>::StrideC;
 
-template <int TileN, Act A>
+template <int TileN, Act A, bool Z>
 size_t grouped_workspace_bytes(const GroupedArgs& g) {
-  return GroupedKernel<TileN, A>::Gemm::get_workspace_size(GroupedKernel<TileN, A>::arguments(g));
+  return GroupedKernel<TileN, A, Z>::Gemm::get_workspace_size(GroupedKernel<TileN, A, Z>::arguments(g));
 }
 
-template <int TileN, Act A>
+template <int TileN, Act A, bool Z>
 const char* run_grouped(const GroupedArgs& g) {
-  using K = GroupedKernel<TileN, A>;
+  using K = GroupedKernel<TileN, A, Z>;
   static_assert(std::is_same_v<typename K::StrideS, StrideS> && std::is_same_v<typename K::StrideD, StrideD> &&
                     std::is_same_v<typename K::StrideC, StrideC>,
                 "every tile width and type must take the layer's one set of strides");
@@ -145,9 +155,10 @@ const char* run_grouped(const GroupedArgs& g) {
 
 }  // namespace wna16_hopper
 
-// One (width, type) pair's instantiation: the body of each grouped_tile_<N>[_fp16].cu, built in parallel
-#define WNA16_HOPPER_INSTANTIATE(TILE, ACT)                                                 \
-  namespace wna16_hopper {                                                                  \
-  template size_t grouped_workspace_bytes<TILE, Act::ACT>(const GroupedArgs&);              \
-  template const char* run_grouped<TILE, Act::ACT>(const GroupedArgs&);                     \
+// One built triple's instantiation (tile_is_built): the body of each grouped_tile_<N>[_fp16][_zp].cu, built in
+// parallel
+#define WNA16_HOPPER_INSTANTIATE(TILE, ACT, ZERO)                                  \
+  namespace wna16_hopper {                                                         \
+  template size_t grouped_workspace_bytes<TILE, Act::ACT, ZERO>(const GroupedArgs&); \
+  template const char* run_grouped<TILE, Act::ACT, ZERO>(const GroupedArgs&);        \
   }

@@ -10,9 +10,11 @@
 //   out[t] = sum_j w[t, j] * d2[pair_row[t * top_k + j]]        float32 sum; pairs whose id is outside [0, E)
 //                                                               (vLLM's padding, -1) skipped
 //
-// Weights: the plugin's kernel layout (E, N, K/2) uint8, even k in the low nibble, symmetric (midpoint 8),
-// made signed (q - 8: XOR 0x8 per nibble, CUTLASS's int4b_t) and reordered per expert at prepare
-// (prepare_weights); scales (E, G, N), N contiguous (the plugin's (E, N, G) transposed by the caller).
+// Weights: the plugin's kernel layout (E, N, K/2) uint8, even k in the low nibble, made signed (q' = q - 8: XOR
+// 0x8 per nibble, CUTLASS's int4b_t) and reordered per expert at prepare (prepare_weights); scales (E, G, N), N
+// contiguous (the plugin's (E, N, G) transposed by the caller). Symmetric: w = s * q'. With zero points z the
+// caller gives zero tables shaped as the scales, z' = (8 - z) * s, and CUTLASS's ConvertAndScaleWithZero computes
+// w = s * q' + z' = s * (q - z).
 // Issue 23's prototype: bench/hopper_probe.py builds it with torch's JIT (CUTLASS headers from the
 // nvidia-cutlass wheel); setup.py builds it as vllm_wna16_plugin._hopper where CUTLASS is found, and the
 // `hopper` backend runs it (kernels/hopper_ops.py; docs/perf/hopper-path.md).
@@ -26,18 +28,20 @@
 
 namespace wna16_hopper {
 
-// built in grouped_tile_<N>[_fp16].cu
-#define WNA16_HOPPER_EXTERN(TILE, ACT)                                                   \
-  extern template size_t grouped_workspace_bytes<TILE, Act::ACT>(const GroupedArgs&); \
-  extern template const char* run_grouped<TILE, Act::ACT>(const GroupedArgs&);
-WNA16_HOPPER_EXTERN(32, kBf16)
-WNA16_HOPPER_EXTERN(64, kBf16)
-WNA16_HOPPER_EXTERN(128, kBf16)
-WNA16_HOPPER_EXTERN(256, kBf16)
-WNA16_HOPPER_EXTERN(32, kFp16)
-WNA16_HOPPER_EXTERN(64, kFp16)
-WNA16_HOPPER_EXTERN(128, kFp16)
-WNA16_HOPPER_EXTERN(256, kFp16)
+// built in grouped_tile_<N>[_fp16][_zp].cu (tile_is_built)
+#define WNA16_HOPPER_EXTERN(TILE, ACT, ZERO)                                                    \
+  extern template size_t grouped_workspace_bytes<TILE, Act::ACT, ZERO>(const GroupedArgs&); \
+  extern template const char* run_grouped<TILE, Act::ACT, ZERO>(const GroupedArgs&);
+WNA16_HOPPER_EXTERN(32, kBf16, false)
+WNA16_HOPPER_EXTERN(64, kBf16, false)
+WNA16_HOPPER_EXTERN(128, kBf16, false)
+WNA16_HOPPER_EXTERN(256, kBf16, false)
+WNA16_HOPPER_EXTERN(128, kFp16, false)
+WNA16_HOPPER_EXTERN(256, kFp16, false)
+WNA16_HOPPER_EXTERN(128, kBf16, true)
+WNA16_HOPPER_EXTERN(256, kBf16, true)
+WNA16_HOPPER_EXTERN(128, kFp16, true)
+WNA16_HOPPER_EXTERN(256, kFp16, true)
 
 // ------------------------------------------------------------------------------------------ preparation
 
@@ -126,6 +130,7 @@ struct GemmPointers {
   const Elem16** a;
   const Elem16** s;
   Elem16** d;
+  const Elem16** z;  // zero tables (unused where the layer is symmetric)
   UnderlyingProblemShape* problem;
 };
 
@@ -137,8 +142,9 @@ struct GemmPointers {
 __global__ void route_kernel(const int32_t* __restrict__ topk_ids, int pairs, int top_k, int E, int N1, int K1,
                              int N2, int K2, int G1, int G2, int32_t* __restrict__ pair_row,
                              int32_t* __restrict__ row_token, const uint8_t* w13, const Elem16* s13,
-                             const uint8_t* w2, const Elem16* s2, const Elem16* a1, Elem16* d1, const Elem16* a2,
-                             Elem16* d2, GemmPointers g1, GemmPointers g2) {
+                             const uint8_t* w2, const Elem16* s2, const Elem16* z13, const Elem16* z2,
+                             const Elem16* a1, Elem16* d1, const Elem16* a2, Elem16* d2, GemmPointers g1,
+                             GemmPointers g2) {
   extern __shared__ int32_t smem[];
   int32_t* count = smem;       // E
   int32_t* offset = smem + E;  // E
@@ -164,11 +170,13 @@ __global__ void route_kernel(const int32_t* __restrict__ topk_ids, int pairs, in
     g1.problem[e] = UnderlyingProblemShape{N1, count[e], K1};
     g1.b[e] = reinterpret_cast<const QuantType*>(w13 + int64_t(e) * N1 * K1 / 2);
     g1.s[e] = s13 + int64_t(e) * G1 * N1;
+    g1.z[e] = z13 == nullptr ? nullptr : z13 + int64_t(e) * G1 * N1;
     g1.a[e] = a1 + off * K1;
     g1.d[e] = d1 + off * N1;
     g2.problem[e] = UnderlyingProblemShape{N2, count[e], K2};
     g2.b[e] = reinterpret_cast<const QuantType*>(w2 + int64_t(e) * N2 * K2 / 2);
     g2.s[e] = s2 + int64_t(e) * G2 * N2;
+    g2.z[e] = z2 == nullptr ? nullptr : z2 + int64_t(e) * G2 * N2;
     g2.a[e] = a2 + off * K2;
     g2.d[e] = d2 + off * N2;
     count[e] = 0;  // reused as each expert's cursor below
@@ -273,33 +281,40 @@ static int sm_count(int device) {
   return counts[device];
 }
 
-template <int TileN, Act A>
+template <int TileN, Act A, bool Z>
 static void launch_tile(GroupedArgs& g, const torch::Device& device) {
-  const size_t bytes = grouped_workspace_bytes<TileN, A>(g);
-  auto ws = torch::empty({int64_t(bytes) + 1}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
-  g.workspace = ws.data_ptr();
-  const char* why = run_grouped<TileN, A>(g);
-  TORCH_CHECK(why == nullptr, "grouped GEMM with a ", TileN, "-token tile: ", why);
+  if constexpr (tile_is_built(TileN, A, Z)) {
+    const size_t bytes = grouped_workspace_bytes<TileN, A, Z>(g);
+    auto ws = torch::empty({int64_t(bytes) + 1}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
+    g.workspace = ws.data_ptr();
+    const char* why = run_grouped<TileN, A, Z>(g);
+    TORCH_CHECK(why == nullptr, "grouped GEMM with a ", TileN, "-token tile: ", why);
+  } else {
+    TORCH_CHECK(false, "the ", TileN, "-token tile is not built for ", A == Act::kFp16 ? "fp16" : "bf16",
+                Z ? " with zero points" : "", " (hopper_ops.BUILT_TILES)");
+  }
 }
 
-template <Act A>
+template <Act A, bool Z>
 static void launch(GroupedArgs& g, int tile, const torch::Device& device) {
   switch (tile) {
-    case 32: return launch_tile<32, A>(g, device);
-    case 64: return launch_tile<64, A>(g, device);
-    case 128: return launch_tile<128, A>(g, device);
-    case 256: return launch_tile<256, A>(g, device);
+    case 32: return launch_tile<32, A, Z>(g, device);
+    case 64: return launch_tile<64, A, Z>(g, device);
+    case 128: return launch_tile<128, A, Z>(g, device);
+    case 256: return launch_tile<256, A, Z>(g, device);
     default: TORCH_CHECK(false, "tile ", tile, " is not one of 32, 64, 128, 256");
   }
 }
 
 // The layer: x (M, H) bf16, topk_ids (M, top_k) int32, topk_w (M, top_k) float32; w13 / w2 prepared
-// (prepare_weights), s13 (E, G1, 2I) / s2 (E, G2, H) in x's type (bf16 or fp16), consts (layer_constants). tile1 / tile2: each
+// (prepare_weights), s13 (E, G1, 2I) / s2 (E, G2, H) in x's type (bf16 or fp16), z13 / z2 the zero tables shaped
+// as the scales (None: symmetric), consts (layer_constants). tile1 / tile2: each
 // GEMM's token-tile width. stages < 6 stops after that many of route (1), gather (2), GEMM1 (3), activation
 // (4), GEMM2 (5) and returns an empty output: a time breakdown by differences.
 torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_w, torch::Tensor w13,
-                          torch::Tensor s13, torch::Tensor w2, torch::Tensor s2, torch::Tensor consts, int64_t group1,
-                          int64_t group2, int64_t tile1, int64_t tile2, int64_t stages) {
+                          torch::Tensor s13, torch::Tensor w2, torch::Tensor s2, std::optional<torch::Tensor> z13,
+                          std::optional<torch::Tensor> z2, torch::Tensor consts, int64_t group1, int64_t group2,
+                          int64_t tile1, int64_t tile2, int64_t stages) {
   const c10::cuda::CUDAGuard guard(x.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto dtype = x.scalar_type();
@@ -319,6 +334,13 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
               "scales must be (E, G1, 2I) and (E, G2, H) in x's dtype");
   const int64_t G1 = s13.size(1), G2 = s2.size(1);
   TORCH_CHECK(G1 * group1 == H && G2 * group2 == I, "group sizes ", group1, "/", group2, " do not tile K=", H, "/", I);
+  const bool zero = z13.has_value();
+  TORCH_CHECK(zero == z2.has_value(), "zero tables: both GEMMs' or neither");
+  if (zero) {
+    TORCH_CHECK(z13->sizes() == s13.sizes() && z2->sizes() == s2.sizes() && z13->scalar_type() == dtype &&
+                    z2->scalar_type() == dtype && z13->is_contiguous() && z2->is_contiguous(),
+                "zero tables must be contiguous and shaped and typed as the scales");
+  }
   TORCH_CHECK(E <= 4096, "at most 4096 experts (the routing block's shared memory)");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must be 16-byte aligned");
   auto opts = x.options();
@@ -331,23 +353,26 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
   auto d1 = torch::empty({pairs, N1}, opts);
   auto a2 = torch::empty({pairs, I}, opts);
   auto d2 = torch::empty({pairs, H}, opts);
-  auto ptrs = torch::empty({2, 4, E}, opts.dtype(torch::kInt64));  // b, a, s, d of each GEMM
+  auto ptrs = torch::empty({2, 5, E}, opts.dtype(torch::kInt64));  // b, a, s, d, z of each GEMM
   auto problems = torch::empty({2, E, 3}, i32);
   auto* p64 = ptrs.data_ptr<int64_t>();
   auto* pr = reinterpret_cast<UnderlyingProblemShape*>(problems.data_ptr<int32_t>());
   GemmPointers g[2];
   for (int i = 0; i < 2; ++i) {
-    g[i].b = reinterpret_cast<const QuantType**>(p64 + (i * 4 + 0) * E);
-    g[i].a = reinterpret_cast<const Elem16**>(p64 + (i * 4 + 1) * E);
-    g[i].s = reinterpret_cast<const Elem16**>(p64 + (i * 4 + 2) * E);
-    g[i].d = reinterpret_cast<Elem16**>(p64 + (i * 4 + 3) * E);
+    g[i].b = reinterpret_cast<const QuantType**>(p64 + (i * 5 + 0) * E);
+    g[i].a = reinterpret_cast<const Elem16**>(p64 + (i * 5 + 1) * E);
+    g[i].s = reinterpret_cast<const Elem16**>(p64 + (i * 5 + 2) * E);
+    g[i].d = reinterpret_cast<Elem16**>(p64 + (i * 5 + 3) * E);
+    g[i].z = reinterpret_cast<const Elem16**>(p64 + (i * 5 + 4) * E);
     g[i].problem = pr + i * E;
   }
   route_kernel<<<1, 1024, (2 * E + 1) * sizeof(int32_t), stream>>>(
       topk_ids.data_ptr<int32_t>(), int(pairs), int(top_k), int(E), int(N1), int(H), int(N2), int(K2), int(G1),
       int(G2), pair_row.data_ptr<int32_t>(), row_token.data_ptr<int32_t>(), w13.data_ptr<uint8_t>(),
       reinterpret_cast<const Elem16*>(s13.data_ptr()), w2.data_ptr<uint8_t>(),
-      reinterpret_cast<const Elem16*>(s2.data_ptr()), reinterpret_cast<const Elem16*>(a1.data_ptr()),
+      reinterpret_cast<const Elem16*>(s2.data_ptr()),
+      zero ? reinterpret_cast<const Elem16*>(z13->data_ptr()) : nullptr,
+      zero ? reinterpret_cast<const Elem16*>(z2->data_ptr()) : nullptr, reinterpret_cast<const Elem16*>(a1.data_ptr()),
       reinterpret_cast<Elem16*>(d1.data_ptr()), reinterpret_cast<const Elem16*>(a2.data_ptr()),
       reinterpret_cast<Elem16*>(d2.data_ptr()), g[0], g[1]);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -392,10 +417,12 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
     args.device = x.device().index();
     args.sm_count = sm_count(args.device);
     args.stream = stream;
+    args.z = reinterpret_cast<const void**>(g[i].z);
+    const int tile = int(tiles[i]);
     if (fp16) {
-      launch<Act::kFp16>(args, int(tiles[i]), x.device());
+      zero ? launch<Act::kFp16, true>(args, tile, x.device()) : launch<Act::kFp16, false>(args, tile, x.device());
     } else {
-      launch<Act::kBf16>(args, int(tiles[i]), x.device());
+      zero ? launch<Act::kBf16, true>(args, tile, x.device()) : launch<Act::kBf16, false>(args, tile, x.device());
     }
   }
   if (stages < 6) return out;

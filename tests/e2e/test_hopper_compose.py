@@ -94,6 +94,28 @@ def test_auto_with_the_hopper_copy_generates_like_the_reference(checkpoint, tmp_
     assert_generates_like(named, ref, "VLLM_WNA16_PLUS_BACKEND=hopper")
 
 
+@pytest.fixture(scope="module")
+def awq_checkpoint(checkpoint):
+    """An AWQ checkpoint (zero points) of the same dimensions: the hopper kernel's zero-point build."""
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    return make_checkpoint(checkpoint.parent / "awq-e8-h2048", fmt="awq", bits=4, group_size=128, sym=False,
+                           hidden=2048, intermediate=2048, experts=8, top_k=2, layers=2)  # fmt: skip
+
+
+def test_auto_with_the_hopper_copy_of_an_awq_checkpoint_generates_like_the_reference(awq_checkpoint, tmp_path_factory):
+    """Zero points (AWQ): the hopper copy holds the zero tables and takes the prefill."""
+    prompts = [*PROMPTS, *long_prompts(awq_checkpoint)]
+    runs = {"ref": dict(backend="reference", eager=True), "auto": dict(env=NO_PARTNER)}
+    dirs = {tag: tmp_path_factory.mktemp(f"{tag}-awq") for tag in runs}
+    for tag, kwargs in runs.items():
+        start_llm(awq_checkpoint, dirs[tag], prompts=prompts, **kwargs)
+    ref = run_llm(awq_checkpoint, dirs["ref"], prompts=prompts, **runs["ref"]).require_ok("reference, awq")
+    composed = run_llm(awq_checkpoint, dirs["auto"], prompts=prompts, **runs["auto"]).require_ok("auto, awq")
+    assert HOPPER_COMPOSED in composed.log and HOPPER_RAN in composed.log, composed.log[-3000:]
+    assert_generates_like(composed, ref, "auto with the hopper copy, awq")
+
+
 def test_auto_with_the_hopper_copy_in_float16_generates_like_the_reference(checkpoint, tmp_path_factory):
     """The same checkpoint run with --dtype float16: the hopper kernel's fp16 build takes the prefill."""
     prompts = [*PROMPTS, *long_prompts(checkpoint)]

@@ -1,8 +1,8 @@
 """The hopper backend (CUTLASS's sm90 grouped GEMM, kernels/hopper_ops.py) against the float reference on an sm90
-GPU with the extension built (skipped elsewhere): every token tile in bf16 and fp16, group sizes 64 / 128 and
-channel-wise, experts with no rows, M from 1 to prefill, vLLM's padding rows, CUDA-graph capture and replay on new
-inputs, auto's plan handing it the batches its rule takes, and compute-sanitizer memcheck / racecheck of its
-kernels."""
+GPU with the extension built (skipped elsewhere): every built token tile in bf16 and fp16, symmetric and with zero
+points, group sizes 64 / 128 and channel-wise, experts with no rows, M from 1 to prefill, vLLM's padding rows,
+CUDA-graph capture and replay on new inputs, auto's plan handing it the batches its rule takes, and
+compute-sanitizer memcheck / racecheck of its kernels."""
 
 from __future__ import annotations
 
@@ -80,15 +80,37 @@ def test_hopper_fp16_matches_reference(H, I, E, top_k, gs, gs2, M):  # noqa: E74
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("M", [1, 64, 1100])
+@pytest.mark.parametrize("H, I, E, top_k, gs, gs2", CASES)
+def test_hopper_zero_points_match_reference(H, I, E, top_k, gs, gs2, M, dtype):  # noqa: E741
+    """The zero-point builds (grouped_tile_<N>[_fp16]_zp.cu: CUTLASS's scale-and-zero mode, z' = (8 - z) * s) with
+    real zero points (AWQ-style, one per group and column)."""
+    p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=4, gs1=gs, gs2=gs2, zp=True, dtype=dtype, seed=M + I)
+    args, kw = _cuda(p)
+    assert kw["w13_qzeros"] is not None
+    ref = fused_moe_wna16_ref(*args, **kw).cpu()
+    out = fused_moe_wna16(*args, group_size=gs if gs == gs2 else (gs, gs2), backend="hopper", **kw)
+    torch.cuda.synchronize()
+    assert_close_scaled(out.cpu(), ref, dtype, f"hopper zero points {dtype} M={M}")
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
 @pytest.mark.parametrize("tile", [32, 64, 128, 256])
-def test_every_token_tile_matches_reference(tile, dtype):
+def test_every_token_tile_matches_reference(tile, zp, dtype):
+    """Every built (tile, dtype, zero points) triple (hopper_ops.BUILT_TILES); the others refuse with the reason."""
     from vllm_wna16_plugin.kernels import hopper_ops
 
-    p = make_moe_problem(M=200, H=1024, I=512, E=8, top_k=2, bits=4, gs1=128, dtype=dtype, seed=tile)
+    p = make_moe_problem(M=200, H=1024, I=512, E=8, top_k=2, bits=4, gs1=128, zp=zp, dtype=dtype, seed=tile)
     args, kw = _cuda(p)
     x, w13, w2, s13, s2, topk_w, topk_ids = args
-    state = hopper_ops.prepare(w13, w2, s13, s2, 128, 128)
-    out = hopper_ops.fused_moe_hopper(x, state, topk_w, topk_ids, hopper_ops.HopperLaunch(tile))
+    state = hopper_ops.prepare(w13, w2, s13, s2, 128, 128, w13_qzeros=kw["w13_qzeros"], w2_qzeros=kw["w2_qzeros"])
+    launch = hopper_ops.HopperLaunch(tile)
+    if tile not in hopper_ops.built_tiles(dtype, zp):
+        with pytest.raises(RuntimeError, match=f"the {tile}-token tile is not built"):
+            hopper_ops.fused_moe_hopper(x, state, topk_w, topk_ids, launch)
+        return
+    out = hopper_ops.fused_moe_hopper(x, state, topk_w, topk_ids, launch)
     assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), dtype, f"tile {tile}")
 
 
@@ -201,9 +223,14 @@ SANITIZED = textwrap.dedent(
     from vllm_wna16_plugin.kernels import hopper_ops
     p = make_moe_problem(M=40, H=1024, I=256, E=8, top_k=2, bits=4, gs1=128, seed=1)
     x, w13, w2, s13, s2, w, ids = [t.cuda() for t in p.args()]
+    ids[-3:] = -1  # vLLM's padding rows
     state = hopper_ops.prepare(w13, w2, s13, s2, 128, 128)
     for tile in hopper_ops.TILE_WIDTHS:
         hopper_ops.fused_moe_hopper(x, state, w, ids, hopper_ops.HopperLaunch(tile))
+    z = make_moe_problem(M=40, H=1024, I=256, E=8, top_k=2, bits=4, gs1=128, zp=True, dtype=torch.float16, seed=2)
+    x, w13, w2, s13, s2, w, ids = [t.cuda() for t in z.args()]
+    state = hopper_ops.prepare(w13, w2, s13, s2, 128, 128, w13_qzeros=z.w13.qzeros.cuda(), w2_qzeros=z.w2.qzeros.cuda())
+    hopper_ops.fused_moe_hopper(x, state, w, ids, hopper_ops.HopperLaunch(128))
     torch.cuda.synchronize()
     """
 )

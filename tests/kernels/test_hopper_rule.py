@@ -20,7 +20,7 @@ from vllm_wna16_plugin.backends.hopper import (
     hopper_scope,
     hopper_takes,
 )
-from vllm_wna16_plugin.kernels.hopper_ops import TILE_WIDTHS, token_tile
+from vllm_wna16_plugin.kernels.hopper_ops import BUILT_TILES, TILE_WIDTHS, built_tiles, token_tile
 from vllm_wna16_plugin.kernels.options import DeviceSpec
 from vllm_wna16_plugin.launch_plan import plan, plan_backends
 from vllm_wna16_plugin.oracle import select_backend
@@ -69,7 +69,10 @@ def test_token_tile_matches_the_measured_best_tiles():
 def test_scope_takes_a_real_models_layer():
     assert hopper_scope(_problem(), SM90) is None
     assert hopper_scope(_problem(gs=-1), SM90) is None  # channel-wise
-    assert hopper_scope(_problem(act_dtype=torch.float16), SM90) is None  # each tile is built for fp16 too
+    assert hopper_scope(_problem(act_dtype=torch.float16), SM90) is None  # the fp16 build
+    awq = WNA16Scheme(bits=4, group_size=128, has_zero_point=True, pack_format=PackFormat.AWQ)
+    assert hopper_scope(_problem(scheme=awq), SM90) is None  # zero points: the zero-point build
+    assert hopper_scope(_problem(scheme=awq, act_dtype=torch.float16), SM90) is None
     assert hopper_scope(_problem(E=128, top_k=8, H=2048, I=768, gs=64), SM90) is None
 
 
@@ -78,11 +81,7 @@ def test_scope_takes_a_real_models_layer():
     [
         (
             dict(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ)),
-            "int4 symmetric",
-        ),
-        (
-            dict(scheme=WNA16Scheme(bits=4, group_size=128, has_zero_point=True, pack_format=PackFormat.AWQ)),
-            "int4 symmetric",
+            "int4 only",
         ),
         (dict(has_g_idx=True), "act order"),
         (dict(act_dtype=torch.float32), "bfloat16 or float16"),
@@ -119,6 +118,67 @@ def test_copy_is_one_more_set_of_the_experts_int4_weights_and_scales_in_groups_o
     assert hopper_copy_bytes(p) == int(p.num_experts * expert_bytes(p))
     e, h, i = 8, 4096, 3584
     assert hopper_copy_bytes(_problem()) == e * (3 * h * i // 2 + 2 * (2 * i * h // 64 + h * i // 64))
+
+
+def test_a_zero_point_copy_adds_its_zero_tables():
+    zp = WNA16Scheme(bits=4, group_size=128, has_zero_point=True, pack_format=PackFormat.AWQ)
+    e, h, i = 8, 4096, 3584
+    assert hopper_copy_bytes(_problem(scheme=zp)) - hopper_copy_bytes(_problem()) == e * 2 * (
+        2 * i * h // 64 + h * i // 64
+    )
+
+
+def test_the_built_tile_table_is_the_translation_units_there_are():
+    """BUILT_TILES (what the plan may launch) against csrc/hopper/grouped_tile_<N>[_fp16][_zp].cu (what setup.py
+    builds): one unit per entry, none missing, none extra."""
+    files = sorted((Path(__file__).resolve().parents[2] / "csrc" / "hopper").glob("grouped_tile_*.cu"))
+    built = set()
+    for f in files:
+        parts = f.stem.removeprefix("grouped_tile_").split("_")
+        dtype = torch.float16 if "fp16" in parts else torch.bfloat16
+        built.add((int(parts[0]), dtype, "zp" in parts))
+        text = f.read_text()
+        macro = f"WNA16_HOPPER_INSTANTIATE({parts[0]}, {'kFp16' if 'fp16' in parts else 'kBf16'}, {str('zp' in parts).lower()})"
+        assert macro in text, f"{f.name} does not instantiate what its name says ({macro})"
+    table = {(t, dtype, zp) for (dtype, zp), tiles in BUILT_TILES.items() for t in tiles}
+    assert built == table
+    assert all(t in TILE_WIDTHS for t, _, _ in table)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
+def test_every_tile_a_plan_picks_is_built(dtype, zp):
+    """Explicit hopper (every M) and auto with the copy, for each build: the plan's tile is one BUILT_TILES has."""
+    scheme = WNA16Scheme(
+        bits=4, group_size=128, has_zero_point=zp, pack_format=PackFormat.AWQ if zp else PackFormat.GPTQ
+    )
+    for dims in ((8, 2, 4096, 3584), (128, 8, 2048, 768), (64, 6, 2560, 384)):
+        E, top_k, H, I = dims  # noqa: N806, E741
+        problem = _problem(E=E, top_k=top_k, H=H, I=I, scheme=scheme, act_dtype=dtype)
+        selection = select_backend(problem, "hopper", "test")
+        for m in (1, 2, 7, 16, 33, 64, 100, 256, 1000, 4096, 16384):
+            p = plan(problem, m, SM90, selection=selection)
+            assert p.launch.tile in built_tiles(dtype, zp), (dims, m, p.launch.tile)
+
+
+def test_zero_tables_give_the_zero_point_weights():
+    """s * q' + z' with the signed q' = q - 8 and kernel_zeros' z' = (8 - z) * s is the zero-point weight (q - z) * s
+    (packing.dequantize), up to the tables' one rounding to bf16."""
+    from vllm_wna16_plugin import packing
+    from vllm_wna16_plugin.kernels.hopper_ops import KERNEL_GROUP, kernel_scales, kernel_zeros
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 256, 512, generator=gen)
+    qw = packing.quantize_rtn(w, 4, 128, has_zero_point=True)
+    kw = packing.to_kernel_layout(qw, torch.bfloat16)
+    s = kernel_scales(kw.scales, 128).float()  # (E, K/64, N)
+    z = kernel_zeros(kw.qzeros, kw.scales, 128).float()
+    assert z.shape == s.shape and z.dtype == torch.float32
+    q = qw.q.float() - 8  # (E, N, K), signed
+    tile = torch.arange(512) // KERNEL_GROUP
+    got = s[:, tile, :].transpose(1, 2) * q + z[:, tile, :].transpose(1, 2)
+    want = packing.dequantize(packing.from_kernel_layout(kw, 4))
+    assert (got - want).abs().max() <= 8 * kw.scales.float().abs().max() * 2**-8
 
 
 @pytest.mark.parametrize("group", [64, 128, 256, 4096])
@@ -180,7 +240,7 @@ def test_hopper_goes_before_marlin_and_after_humming(partner):
 
 
 def test_hopper_is_not_composed_where_out_of_scope_or_asked_for_another_backend():
-    assert "int4 symmetric" in compose.hopper_composable(
+    assert "int4 only" in compose.hopper_composable(
         select_backend(
             _problem(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ))
         )

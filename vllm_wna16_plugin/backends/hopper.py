@@ -2,7 +2,7 @@
 tiles; kernels/hopper_ops.py) for batches whose experts take tens of rows or more, up to prefill.
 
 Its rules: sm90 (the extension is built for sm90a only, where setup.py finds CUTLASS's headers), bfloat16 or
-float16 activations, int4 symmetric weights in groups of a multiple of 64 or channel-wise, K (hidden, intermediate) a
+float16 activations, int4 weights, symmetric or with zero points, in groups of a multiple of 64 or channel-wise, K (hidden, intermediate) a
 multiple of 64 and N (2 x intermediate, hidden) of 128, silu, no act order, no expert parallelism, the router's
 weights applied after the down projection. It holds its own copy of the experts (signed, reordered for the
 wgmma fragment: hopper_copy_bytes).
@@ -54,14 +54,15 @@ HOPPER_RULE_SOURCE = "hopper rule (backends/hopper.py; H100 dev set 2026-12-06-d
 
 def hopper_scope(problem: MoEProblem, device=None) -> str | None:
     """Why the hopper kernel cannot run this layer (on `device`, default the layer's), or None when it can: what
-    the extension is built for (sm90a, bf16 / fp16, int4 symmetric, K tile 64, weight tile 128 rows) and the layer
+    the extension is built for (sm90a, bf16 / fp16, int4 with or without zero points, K tile 64, weight tile 128
+    rows) and the layer
     forms its launcher takes. Never raises."""
     device = device or layer_device(problem)
     if device.platform != "cuda" or device.sm != 90:
         return f"built for sm90 only (device is {device.platform} sm{device.sm})"
     scheme = problem.scheme
-    if scheme.bits != 4 or scheme.has_zero_point:
-        return f"int4 symmetric only (the layer is {scheme.describe()})"
+    if scheme.bits != 4:
+        return f"int4 only (the layer is {scheme.describe()})"
     if problem.has_g_idx:
         return "act order (desc_act) is not supported by the hopper kernel"
     if problem.act_dtype not in (torch.bfloat16, torch.float16):
@@ -92,20 +93,30 @@ def hopper_takes(problem: MoEProblem, m: int, device) -> bool:
     return pairs_per_expert(problem, m) >= HOPPER_MIN_ROWS
 
 
+def hopper_tile(problem: MoEProblem, rows_per_expert: float) -> int:
+    """The token tile of a batch whose experts take `rows_per_expert` rows: hopper_ops.token_tile over the widths
+    built for the layer's activation dtype and zero points (hopper_ops.BUILT_TILES)."""
+    from vllm_wna16_plugin.kernels.hopper_ops import built_tiles, token_tile
+
+    return token_tile(rows_per_expert, built_tiles(problem.act_dtype, problem.scheme.has_zero_point))
+
+
 def hopper_copy_bytes(problem: MoEProblem) -> int:
     """Bytes of the hopper copy of a layer: both GEMMs' int4 weights and 16-bit scales of every local expert, the
-    scales in groups of hopper_ops.KERNEL_GROUP."""
+    scales in groups of hopper_ops.KERNEL_GROUP, and as many bytes of zero tables where the layer has zero points."""
     from vllm_wna16_plugin.kernels.hopper_ops import KERNEL_GROUP
 
     kernel = dataclasses.replace(problem, group_size_w13=KERNEL_GROUP, group_size_w2=KERNEL_GROUP)
-    return int(problem.num_experts * expert_bytes(kernel))
+    h, i = problem.hidden, problem.intermediate
+    tables = 2 * (2 * i * (h // KERNEL_GROUP) + h * (i // KERNEL_GROUP)) if problem.scheme.has_zero_point else 0
+    return int(problem.num_experts * (expert_bytes(kernel) + tables))
 
 
 class HopperBackend(Backend):
     name = "hopper"
     _ran = False  # whether this process logged FIRST_RUN
     description = (
-        "plugin sm90 grouped GEMM (csrc/hopper/, CUTLASS: TMA + wgmma, warp-specialised): int4 symmetric, bf16 / fp16, "
+        "plugin sm90 grouped GEMM (csrc/hopper/, CUTLASS: TMA + wgmma, warp-specialised): int4 (zero points too), bf16 / fp16, "
         "for tens of rows per expert up to prefill"
     )
 
@@ -126,17 +137,18 @@ class HopperBackend(Backend):
         from vllm_wna16_plugin.kernels import hopper_ops
 
         return hopper_ops.prepare(
-            *tensors.weights(), problem.group_size_w13, problem.group_size_w2, dtype=problem.act_dtype
-        )
+            *tensors.weights(), problem.group_size_w13, problem.group_size_w2, w13_qzeros=tensors.w13_qzeros,
+            w2_qzeros=tensors.w2_qzeros, dtype=problem.act_dtype,
+        )  # fmt: skip
 
     def run(self, problem: MoEProblem, state, x, topk_weights, topk_ids, *, expert_map=None, plan=None):
-        from vllm_wna16_plugin.kernels.hopper_ops import HopperLaunch, fused_moe_hopper, token_tile
+        from vllm_wna16_plugin.kernels.hopper_ops import HopperLaunch, fused_moe_hopper
 
         if expert_map is not None:  # hopper_scope refuses expert parallelism: an expert_map here is a caller's bug
             raise ValueError("the hopper backend takes no expert_map (expert parallelism); use triton or cuda")
         launch = plan.launch if plan is not None and isinstance(plan.launch, HopperLaunch) else None
         if launch is None:
-            launch = HopperLaunch(token_tile(pairs_per_expert(problem, max(1, x.shape[0]))))
+            launch = HopperLaunch(hopper_tile(problem, pairs_per_expert(problem, max(1, x.shape[0]))))
         if not self._ran:
             HopperBackend._ran = True
             logger.info("%s (M=%d tokens, %d-token tiles)", FIRST_RUN, x.shape[0], launch.tile)

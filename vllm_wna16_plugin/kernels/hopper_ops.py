@@ -19,27 +19,44 @@ from dataclasses import dataclass
 
 import torch
 
-# the token-tile widths built (csrc/hopper/grouped_tile_<N>.cu)
+# the token-tile widths there are (csrc/hopper/grouped_gemm.h)
 TILE_WIDTHS = (32, 64, 128, 256)
+# the widths built for each (activation dtype, zero points): one translation unit each (grouped_tile_<N>[_fp16][_zp]
+# .cu; grouped_gemm.h's tile_is_built says the same): every width for symmetric bf16, the two auto's rule runs (64+
+# rows per hit expert: 128 and 256, token_tile) for fp16 and zero points, which keeps the build at ten units
+BUILT_TILES = {
+    (torch.bfloat16, False): TILE_WIDTHS,
+    (torch.float16, False): (128, 256),
+    (torch.bfloat16, True): (128, 256),
+    (torch.float16, True): (128, 256),
+}
 # every K (H for GEMM1, I for GEMM2) and group size is a multiple of the K tile (64 bf16: one 128-byte row), and
 # every N (2I, H) of the weight tile's 128 rows
 K_TILE = 64
 N_TILE = 128
 
 
-def token_tile(rows_per_expert: float) -> int:
-    """The token-tile width for experts taking `rows_per_expert` routed rows on average:
+def token_tile(rows_per_expert: float, widths: tuple[int, ...] = TILE_WIDTHS) -> int:
+    """The token-tile width for experts taking `rows_per_expert` routed rows on average, of the built `widths`
+    (BUILT_TILES: a layer's dtype and zero points):
 
-        tile = the narrowest of 32, 64, 128 holding 2 * rows (an expert's rows vary around the mean), and 256
-               from 512 rows (a whole 128 x 256 tile of wgmma per weight tile: the bf16 matmul rate)
+        tile = the narrowest of the widths below 256 holding 2 * rows (an expert's rows vary around the mean; the
+               widest of them when none does), and 256 from 512 rows (a whole 128 x 256 tile of wgmma per weight
+               tile: the bf16 matmul rate)
 
     Measured (H100, the layer with every tile at each M, 2026-12-06-49d5aac-hopper-breakdown.json: Mixtral-8x7B
     and 8x22B at TP 4, Qwen3-30B-A3B, DeepSeek-V3 at TP 8): the best tile at 16 rows was 32 (Mixtral 142 against
     172 µs with 16), at 32 rows 64, at 64-256 rows 128 (Mixtral M=256: 203 against 216 with 64; M=1024: 408
     against 463 with 256), at 1024 rows 256 (1405 against 1455 with 128)."""
-    if rows_per_expert >= 512:
+    if rows_per_expert >= 512 and 256 in widths:
         return 256
-    return next((t for t in TILE_WIDTHS[:-1] if t >= 2 * rows_per_expert), 128)
+    narrow = [t for t in widths if t < 256] or [256]
+    return next((t for t in narrow if t >= 2 * rows_per_expert), narrow[-1])
+
+
+def built_tiles(dtype: torch.dtype, zero_points: bool) -> tuple[int, ...]:
+    """The token-tile widths built for a layer of this activation dtype (bf16, fp16) and zero points."""
+    return BUILT_TILES[(dtype, bool(zero_points))]
 
 
 @dataclass(frozen=True)
@@ -62,6 +79,8 @@ class HopperState:
     consts: torch.Tensor
     group_w13: int
     group_w2: int
+    z13: torch.Tensor | None = None  # zero tables (kernel_zeros), shaped as s13 / s2; None: symmetric
+    z2: torch.Tensor | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -107,6 +126,22 @@ def kernel_scales(scales: torch.Tensor, group_size: int, kernel_group: int = KER
     return table.transpose(1, 2).contiguous()
 
 
+def kernel_zeros(
+    qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, kernel_group: int = KERNEL_GROUP
+) -> torch.Tensor:
+    """The kernel's zero table of int4 zero points z (the plugin's (E, N/2, G) uint8, packed along N) and their
+    scales s (E, N, G):
+
+        z' = (8 - z) * s     so that   s * q' + z' = s * (q - z)   for the signed q' = q - 8 the kernel reads
+
+    computed in float32 and rounded once to the scales' dtype, laid out as kernel_scales lays out the scales."""
+    from vllm_wna16_plugin.packing import unpack_along
+
+    z = unpack_along(qzeros, 4, dim=-2, word_bits=8)  # (E, N, G)
+    table = ((8 - z).to(torch.float32) * scales.to(torch.float32)).to(scales.dtype)
+    return kernel_scales(table, group_size, kernel_group)
+
+
 def prepare(
     w13_qweight,
     w2_qweight,
@@ -115,24 +150,33 @@ def prepare(
     group_w13: int,
     group_w2: int,
     *,
+    w13_qzeros: torch.Tensor | None = None,
+    w2_qzeros: torch.Tensor | None = None,
     kernel_group: int = KERNEL_GROUP,
     dtype: torch.dtype | None = None,
 ) -> HopperState:
-    """The hopper copy of a layer in the plugin's kernel layout (int4, symmetric: uint8 (E, N, K/2), scales
-    (E, N, G) with groups of group_w13 / group_w2 along K). A new copy of the weights (their signed, reordered form)
-    and of the scales (kernel_scales). kernel_group: the scales' group size in the kernel; anything but
-    KERNEL_GROUP is for the diagnosis of the group-128 fault only (bench/hopper_group_diag.py). dtype: the layer's
-    activation dtype (bf16 or fp16), which the kernel reads the scales in (default: the scales' own)."""
+    """The hopper copy of a layer in the plugin's kernel layout (int4: uint8 (E, N, K/2), scales (E, N, G) with
+    groups of group_w13 / group_w2 along K; zero points (E, N/2, G) or None: symmetric). A new copy of the weights
+    (their signed, reordered form), of the scales (kernel_scales) and of the zero tables (kernel_zeros).
+    kernel_group: the scales' group size in the kernel; anything but KERNEL_GROUP is for the diagnosis of the
+    group-128 fault only (bench/hopper_group_diag.py). dtype: the layer's activation dtype (bf16 or fp16), which the
+    kernel reads the scales and zero tables in (default: the scales' own)."""
+    if (w13_qzeros is None) != (w2_qzeros is None):
+        raise ValueError("zero points: give both GEMMs' (w13_qzeros and w2_qzeros) or neither")
     ext = _extension()
     e, n1, _ = w13_qweight.shape
     h, inter = w2_qweight.shape[1], n1 // 2
     g13, g2 = min(kernel_group, group_w13), min(kernel_group, group_w2)
     s13 = kernel_scales(w13_scales, group_w13, g13).to(dtype or w13_scales.dtype)
     s2 = kernel_scales(w2_scales, group_w2, g2).to(dtype or w2_scales.dtype)
+    z13 = z2 = None
+    if w13_qzeros is not None:
+        z13 = kernel_zeros(w13_qzeros, w13_scales, group_w13, g13).to(s13.dtype)
+        z2 = kernel_zeros(w2_qzeros, w2_scales, group_w2, g2).to(s2.dtype)
     consts = ext.layer_constants(e, n1, h, h, inter, s13.shape[1], s2.shape[1], w13_qweight.device)
     return HopperState(
         ext.prepare_weights(w13_qweight.contiguous()), ext.prepare_weights(w2_qweight.contiguous()),
-        s13, s2, consts, g13, g2,
+        s13, s2, consts, g13, g2, z13, z2,
     )  # fmt: skip
 
 
@@ -144,17 +188,19 @@ def fused_moe_hopper(
     launch: HopperLaunch,
 ) -> torch.Tensor:
     """The layer for one batch: sum_j topk_weights[t, j] * down(silu(gate) * up)(x[t]) over expert topk_ids[t, j].
-    x (M, H) bf16 or fp16 (the scales' dtype: the layer's); the router's ids name this layer's experts (the backend refuses expert parallelism), or are -1:
-    vLLM 0.34's padding rows (CUDA-graph / DP padding), which add nothing (a row of padding only is zero)."""
+    x (M, H) bf16 or fp16 (the scales' dtype: the layer's); the router's ids name this layer's experts (the backend
+    refuses expert parallelism), or are -1: vLLM 0.34's padding rows (CUDA-graph / DP padding), which add nothing (a
+    row of padding only is zero). launch.tile must be one of built_tiles(x.dtype, zero points)."""
     ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else topk_ids.to(torch.int32)
     weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
     return _extension().moe_forward(
         x.contiguous(), ids.contiguous(), weights.contiguous(), state.w13, state.s13, state.w2, state.s2,
-        state.consts, state.group_w13, state.group_w2, launch.tile, launch.tile, 6,
+        state.z13, state.z2, state.consts, state.group_w13, state.group_w2, launch.tile, launch.tile, 6,
     )  # fmt: skip
 
 
 __all__ = [
+    "BUILT_TILES",
     "HopperLaunch",
     "HopperState",
     "KERNEL_GROUP",
@@ -162,8 +208,10 @@ __all__ = [
     "N_TILE",
     "TILE_WIDTHS",
     "extension_error",
+    "built_tiles",
     "fused_moe_hopper",
     "kernel_scales",
+    "kernel_zeros",
     "prepare",
     "token_tile",
 ]

@@ -1,4 +1,0 @@
-// The grouped GEMM with a 32-token tile, fp16 activations (grouped_gemm.cuh).
-#include "grouped_gemm.cuh"
-
-WNA16_HOPPER_INSTANTIATE(32, kFp16)

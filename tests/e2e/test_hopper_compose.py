@@ -103,30 +103,25 @@ def awq_checkpoint(checkpoint):
                            hidden=2048, intermediate=2048, experts=8, top_k=2, layers=2)  # fmt: skip
 
 
+def _auto_with_the_copy_generates_like_the_reference(checkpoint, tmp_path_factory, what: str, **run) -> None:
+    """auto (partners off) and the reference backend, both with `run`'s LLM arguments: auto must log the hopper copy
+    and its first batch, and generate like the reference."""
+    prompts = [*PROMPTS, *long_prompts(checkpoint)]
+    runs = {"ref": dict(backend="reference", eager=True, **run), "auto": dict(env=NO_PARTNER, **run)}
+    dirs = {tag: tmp_path_factory.mktemp(f"{tag}-{what.replace(' ', '-')}") for tag in runs}
+    for tag, kwargs in runs.items():
+        start_llm(checkpoint, dirs[tag], prompts=prompts, **kwargs)
+    ref = run_llm(checkpoint, dirs["ref"], prompts=prompts, **runs["ref"]).require_ok(f"reference, {what}")
+    composed = run_llm(checkpoint, dirs["auto"], prompts=prompts, **runs["auto"]).require_ok(f"auto, {what}")
+    assert HOPPER_COMPOSED in composed.log and HOPPER_RAN in composed.log, composed.log[-3000:]
+    assert_generates_like(composed, ref, f"auto with the hopper copy, {what}")
+
+
 def test_auto_with_the_hopper_copy_of_an_awq_checkpoint_generates_like_the_reference(awq_checkpoint, tmp_path_factory):
     """Zero points (AWQ): the hopper copy holds the zero tables and takes the prefill."""
-    prompts = [*PROMPTS, *long_prompts(awq_checkpoint)]
-    runs = {"ref": dict(backend="reference", eager=True), "auto": dict(env=NO_PARTNER)}
-    dirs = {tag: tmp_path_factory.mktemp(f"{tag}-awq") for tag in runs}
-    for tag, kwargs in runs.items():
-        start_llm(awq_checkpoint, dirs[tag], prompts=prompts, **kwargs)
-    ref = run_llm(awq_checkpoint, dirs["ref"], prompts=prompts, **runs["ref"]).require_ok("reference, awq")
-    composed = run_llm(awq_checkpoint, dirs["auto"], prompts=prompts, **runs["auto"]).require_ok("auto, awq")
-    assert HOPPER_COMPOSED in composed.log and HOPPER_RAN in composed.log, composed.log[-3000:]
-    assert_generates_like(composed, ref, "auto with the hopper copy, awq")
+    _auto_with_the_copy_generates_like_the_reference(awq_checkpoint, tmp_path_factory, "awq")
 
 
 def test_auto_with_the_hopper_copy_in_float16_generates_like_the_reference(checkpoint, tmp_path_factory):
     """The same checkpoint run with --dtype float16: the hopper kernel's fp16 build takes the prefill."""
-    prompts = [*PROMPTS, *long_prompts(checkpoint)]
-    runs = {
-        "ref": dict(backend="reference", eager=True, dtype="float16"),
-        "auto": dict(env=NO_PARTNER, dtype="float16"),
-    }
-    dirs = {tag: tmp_path_factory.mktemp(f"{tag}-fp16") for tag in runs}
-    for tag, kwargs in runs.items():
-        start_llm(checkpoint, dirs[tag], prompts=prompts, **kwargs)
-    ref = run_llm(checkpoint, dirs["ref"], prompts=prompts, **runs["ref"]).require_ok("reference, float16")
-    composed = run_llm(checkpoint, dirs["auto"], prompts=prompts, **runs["auto"]).require_ok("auto, float16")
-    assert HOPPER_COMPOSED in composed.log and HOPPER_RAN in composed.log, composed.log[-3000:]
-    assert_generates_like(composed, ref, "auto with the hopper copy, float16")
+    _auto_with_the_copy_generates_like_the_reference(checkpoint, tmp_path_factory, "float16", dtype="float16")

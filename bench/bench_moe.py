@@ -8,6 +8,11 @@ replayed `--reps` times; the median (and p20/p80) per call is reported.
 
     python bench/bench_moe.py --out bench/results/h200 [--shapes qwen3-30b-a3b,...] [--m 1,2,4]
     python bench/bench_moe.py --model-config PATH/TO/config.json --tp 1,4 [--bits 4 --group-size 128] [--dry-run]
+    python bench/bench_moe.py --shapes qwen3-30b-a3b --zero-points --dtype float16 --tag=-awq-fp16
+
+--zero-points quantizes with zero points (w = (q - z) * s, as AWQ and GPTQ sym=false checkpoints hold them;
+default symmetric, z = 2**(bits-1)); --dtype is the activations' and scales' dtype (and bf16-dense's weights'),
+bfloat16 by default. Both are stated in the .md header and in the device CSV's run_note column.
 
 --model-config (a config.json, or the model's directory; repeatable) times that model's routed-experts layer
 as one vLLM rank runs it at each --tp size (bench/model_shapes.py: I / tp, the checkpoint's bits and group
@@ -61,32 +66,44 @@ SHAPES = [
     Shape("k1344-gs32", 8, 2, 1344, 1024, 32),
 ]
 M_VALUES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096]
+# --dtype: the activations' and scales' dtype (and bf16-dense's weights': the provider keeps its name)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 
 
-def make_weights(s: Shape, bits: int, gen: torch.Generator):
-    w13 = torch.randn(s.E, 2 * s.I, s.H, generator=gen, device="cuda") / s.H**0.5
-    w2 = torch.randn(s.E, s.H, s.I, generator=gen, device="cuda") / s.I**0.5
-    q13 = packing.quantize_rtn(w13, bits, s.group_w13, False)  # each GEMM's own (effective) group size
-    q2 = packing.quantize_rtn(w2, bits, s.group_w2, False)
+def make_weights(s: Shape, bits: int, gen: torch.Generator, zero_points: bool = False, device: str = "cuda"):
+    """Random experts quantized round-to-nearest, w = (q - z) * s: z per group with zero_points, else
+    2**(bits-1). device: "cpu" for the tests (gen must be that device's generator)."""
+    w13 = torch.randn(s.E, 2 * s.I, s.H, generator=gen, device=device) / s.H**0.5
+    w2 = torch.randn(s.E, s.H, s.I, generator=gen, device=device) / s.I**0.5
+    q13 = packing.quantize_rtn(w13, bits, s.group_w13, zero_points)  # each GEMM's own (effective) group size
+    q2 = packing.quantize_rtn(w2, bits, s.group_w2, zero_points)
     return q13, q2
 
 
-def shape_weights(s: Shape, gen: torch.Generator):
-    """(kernel-layout w13, w2, their fp32 dequantized weights) of a shape's random experts; the reference
-    sees the bf16-rounded scales the kernels see."""
-    q13, q2 = make_weights(s, s.bits, gen)
-    kw13, kw2 = packing.to_kernel_layout(q13, torch.bfloat16), packing.to_kernel_layout(q2, torch.bfloat16)
+def shape_weights(
+    s: Shape, gen: torch.Generator, dtype: torch.dtype = torch.bfloat16, zero_points: bool = False,
+    device: str = "cuda",
+):  # fmt: skip
+    """(kernel-layout w13, w2, their fp32 dequantized weights) of a shape's random experts, scales in dtype
+    and packed zeros (KernelWeights.qzeros) with zero_points; the reference sees the scales rounded to dtype,
+    as the kernels see them."""
+    q13, q2 = make_weights(s, s.bits, gen, zero_points, device)
+    kw13, kw2 = packing.to_kernel_layout(q13, dtype), packing.to_kernel_layout(q2, dtype)
     q13.scales, q2.scales = kw13.scales.float(), kw2.scales.float()
     return kw13, kw2, packing.dequantize(q13), packing.dequantize(q2)
 
 
-def weight_bytes_per_expert(s: Shape, bits: int, dense: bool) -> float:
+def weight_bytes_per_expert(s: Shape, bits: int, dense: bool, zero_points: bool = False) -> float:
+    """3HI weights of bits / 8 bytes + (2I * g13 + H * g2) 16-bit scales, and with zero_points as many zeros
+    packed bits / 8 bytes each (KernelWeights.qzeros: N * bits / 8 bytes per group column); dense: 3HI * 2."""
     n = 3 * s.H * s.I
     if dense:
         return n * 2.0
     g13 = s.H // s.group_w13
     g2 = s.I // s.group_w2
-    return n * bits / 8 + (2 * s.I * g13 + s.H * g2) * 2
+    groups = 2 * s.I * g13 + s.H * g2
+    return n * bits / 8 + groups * 2 + (groups * bits / 8 if zero_points else 0)
 
 
 def measure_copy_bandwidth() -> float:
@@ -195,7 +212,13 @@ class VllmPaths:
         orig = self.orig
         self.fm.should_moe_wna16_use_cuda = lambda *a, **kw: forced and orig(*a, **kw)
         try:
-            qc = self.qc[bits](w1_scale=w.scales13, w2_scale=w.scales2, w1_zp=None, w2_zp=None, block_shape=[0, gs])
+            # w1_zp / w2_zp: the plugin's packed zeros as they are. vLLM's moe_wna16 layer holds them in this
+            # layout, (E, N * bits / 8, G) uint8, even n in the low nibble (quantization/moe_wna16.py's
+            # create_weights and convert_awq_tensor), and hands the same tensors to its Triton kernel and to
+            # its CUDA one (fused_moe.py's dispatch_fused_moe_kernel), whose Triton kernel reads zero
+            # (e, n, g) at byte n // 2, nibble n % 2, of [e, :, g] (fused_moe_kernel_gptq_awq)
+            qc = self.qc[bits](w1_scale=w.scales13, w2_scale=w.scales2, w1_zp=w.qzeros13, w2_zp=w.qzeros2,
+                               block_shape=[0, gs])  # fmt: skip
             return self.fused_experts(x, w.q13, w.q2, topk_weights, topk_ids, quant_config=qc)
         finally:
             self.fm.should_moe_wna16_use_cuda = orig
@@ -214,6 +237,21 @@ class Weights:
     dense2: torch.Tensor | None = None
     g13: torch.Tensor | None = None  # (E, 2, H) int32: act order (ACT_ORDER providers), gate = up
     g2: torch.Tensor | None = None  # (E, I) int32
+    qzeros13: torch.Tensor | None = None  # (E, 2I*bits/8, H/gs) uint8 (--zero-points), packed along N
+    qzeros2: torch.Tensor | None = None  # (E, H*bits/8, I/gs) uint8
+
+
+def int_weights(kw13, kw2) -> Weights:
+    """The Weights of a shape's kernel-layout w13 / w2 (KernelWeights), their packed zeros with them."""
+    return Weights(kw13.qweight, kw2.qweight, kw13.scales, kw2.scales, qzeros13=kw13.qzeros, qzeros2=kw2.qzeros)
+
+
+def rotating_copies(base: Weights, n: int) -> list[Weights]:
+    """base and n - 1 copies of it, every tensor field cloned (the R rotating weight copies: L2-cold reads)."""
+    copies = [base]
+    for _ in range(n - 1):
+        copies.append(Weights(**{k: None if t is None else t.clone() for k, t in vars(base).items()}))
+    return copies
 
 
 # Providers "<plugin provider>-ao" time the same layer as a GPTQ act-order checkpoint holds it: each expert's
@@ -228,15 +266,17 @@ def make_act_order(kw13, kw2, d13, d2, s: Shape, bits: int, gen: torch.Generator
 
     A row k of the act-order checkpoint is row P[e, k] of the base weights: q_ao[:, k] = q[:, P[k]] and
     g_idx[k] = P[k] // group, so dequantize(q_ao)[:, k] = W[:, P[k]] and the reference multiplies x by
-    W[:, P] (a gather of the base dequantized weights along K). d13 / d2 None: the weights only (None, None for
-    the dequantized ones: bench/kernel_breakdown.py times kernels, it checks nothing)."""
+    W[:, P] (a gather of the base dequantized weights along K). Zero points and scales are per group, named by
+    g_idx: they stay as they are. d13 / d2 None: the weights only (None, None for the dequantized ones:
+    bench/kernel_breakdown.py times kernels, it checks nothing)."""
     e = s.E
     dev = kw13.qweight.device
     p1 = torch.stack([torch.randperm(s.H, generator=gen, device=dev) for _ in range(e)])
     p2 = torch.stack([torch.randperm(s.I, generator=gen, device=dev) for _ in range(e)])
     g13 = (p1 // s.group_w13).to(torch.int32)[:, None, :].expand(e, 2, s.H).contiguous()
     w = Weights(packing.permute_k(kw13.qweight, p1, bits), packing.permute_k(kw2.qweight, p2, bits),
-                kw13.scales, kw2.scales, g13=g13, g2=(p2 // s.group_w2).to(torch.int32).contiguous())  # fmt: skip
+                kw13.scales, kw2.scales, g13=g13, g2=(p2 // s.group_w2).to(torch.int32).contiguous(),
+                qzeros13=kw13.qzeros, qzeros2=kw2.qzeros)  # fmt: skip
     if d13 is None or d2 is None:
         return w, None, None
     d13_ao = torch.gather(d13, -1, p1[:, None, :].expand(-1, d13.shape[1], -1))
@@ -263,10 +303,18 @@ WITH_HOPPER = ("auto-hopper", "auto-composed-hopper", "auto-marlin-hopper")
 
 def layer_problem(x, w: Weights, topk_ids, gs: int, *, bits: int = 4, gs_w2: int | None = None) -> MoEProblem:
     """The MoEProblem of the bench's tensors (make_problem's); where GEMM2's group size is not GEMM1's (a
-    group size re-grouped for I / tp, Shape.gs_w2), the pair of them, as the plugin's layer builds it."""
+    group size re-grouped for I / tp, Shape.gs_w2), the pair of them, as the plugin's layer builds it. Zero
+    points when w carries packed zeros (--zero-points); the activations' dtype is x's."""
     group_size = gs if gs_w2 is None else (gs, gs_w2)
     return make_problem(x, w.q13, w.q2, w.scales13, w.scales2, topk_ids, bits=bits, group_size=group_size,
-                        has_zero_point=False)  # fmt: skip
+                        has_zero_point=w.qzeros13 is not None, w13_qzeros=w.qzeros13,
+                        w2_qzeros=w.qzeros2)  # fmt: skip
+
+
+def kernel_tensors(w: Weights) -> KernelTensors:
+    """The plugin's KernelTensors of the bench's Weights (zeros and act order's g_idx where w has them)."""
+    return KernelTensors(w.q13, w.q2, w.scales13, w.scales2, w13_qzeros=w.qzeros13, w2_qzeros=w.qzeros2,
+                         w13_g_idx=w.g13, w2_g_idx=w.g2)  # fmt: skip
 
 
 def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4, gs_w2: int | None = None):
@@ -299,7 +347,7 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4
         if reason := hopper_composable(selection):
             raise NotApplicable(f"not composed with the hopper kernel: {reason}")
         selection = with_hopper(selection)
-    return LayerRunner(selection, KernelTensors(w.q13, w.q2, w.scales13, w.scales2, w13_g_idx=w.g13, w2_g_idx=w.g2))
+    return LayerRunner(selection, kernel_tensors(w))
 
 
 # Providers that time a Triton kernel form other than the default (KernelOptions.pair_step_math, dot_nibbles):
@@ -446,7 +494,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--dry-run",
         action="store_true",
-        help="print the shapes (and what each GEMM's group size is), the batch sizes and providers; time nothing",
+        help="print the shapes (and what each GEMM's group size is), the batch sizes, providers, dtype and zero "
+        "points; time nothing",
     )
     ap.add_argument("--m", type=int_list, default=M_VALUES, help="batch sizes (tokens), e.g. 1,4,16")
     ap.add_argument(
@@ -462,7 +511,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         "plugin-triton / -td: pointer / TD loads forced; plugin-triton-split, "
         "-words, -tile: other kernel forms; plugin-cuda, plugin-vllm_cuda, vllm-*: as named (vllm-humming: vLLM 0.34's "
         "default on sm90, n/a where humming-kernels 0.1.19+ is missing); bf16-dense: "
-        "vLLM's fused_experts on the dequantized weights",
+        "vLLM's fused_experts on the dequantized weights (in --dtype)",
+    )
+    ap.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="bfloat16",
+        help="the activations' and scales' dtype (and bf16-dense's weights'); give a float16 run its own --tag: "
+        "the result files and the run name are the date, commit and tag",
+    )
+    ap.add_argument(
+        "--zero-points",
+        action="store_true",
+        help="quantize with zero points, w = (q - z) * s (AWQ, GPTQ sym=false), the packed zeros passed to every "
+        "provider and counted in %%bw; default symmetric (z = 2**(bits-1)). Give the run its own --tag as for --dtype",
     )
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument(
@@ -500,6 +562,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+# model_shapes.model_moe_shape's note on an asymmetric checkpoint (AWQ, GPTQ sym=false), timed symmetric unless
+# --zero-points; with it, the note says so instead
+SYMMETRIC_NOTE = "; timed symmetric, without the checkpoint's zero points"
+ZERO_POINT_NOTE = "; timed with zero points (--zero-points), as the checkpoint holds them"
+
+
 def select_shapes(args: argparse.Namespace) -> list[Shape]:
     """--shapes' built-in shapes (all of them when neither --shapes nor --model-config is given) and the
     --model-config shapes; ValueError for an unknown name or a config that cannot be read or sharded."""
@@ -521,22 +589,65 @@ def select_shapes(args: argparse.Namespace) -> list[Shape]:
                 shapes.append(model_moe_shape(cfg, tp, args.bits, args.group_size, ep=args.ep, name=name))
             except ValueError as exc:  # a TP size the model cannot be split at is skipped, with the reason
                 print(f"--catalog: {name} at tp={tp} skipped: {exc}", file=sys.stderr)
+    if getattr(args, "zero_points", False):  # an asymmetric checkpoint's note says what this run does time
+        shapes = [dataclasses.replace(s, note=s.note.replace(SYMMETRIC_NOTE, ZERO_POINT_NOTE)) for s in shapes]
     return shapes
 
 
+def options_note(args: argparse.Namespace) -> str:
+    """A run's --dtype / --zero-points as the device CSV's run_note: "" for bfloat16 and symmetric (what every
+    run before these options timed), else "(<dtype>, zero points|symmetric)", also written after the run name
+    in the .md header, where results_table.split_commit keeps a trailing "(...)" as the note (consolidate)."""
+    if args.dtype == "bfloat16" and not args.zero_points:
+        return ""
+    return f"({args.dtype}, {'zero points' if args.zero_points else 'symmetric'})"
+
+
+def describe_options(args: argparse.Namespace) -> str:
+    """--dtype and --zero-points in words (the .md header's)."""
+    zp = "zero points (w = (q - z) * s, packed zeros read beside the weights)" if args.zero_points else (
+        "symmetric (no zero points)")  # fmt: skip
+    return f"{args.dtype} activations and scales (bf16-dense: {args.dtype} weights), {zp}"
+
+
 def dry_run(shapes: list[Shape], args: argparse.Namespace) -> str:
-    """What a run would time, without a GPU: each shape, where it came from, its weight bytes, the Ms."""
+    """What a run would time, without a GPU: each shape, where it came from, its weight bytes, the Ms, the
+    activations' dtype and zero points."""
     lines = []
     for s in shapes:
-        int_gb = s.E * weight_bytes_per_expert(s, s.bits, False) / 1e9
-        bf16_gb = s.E * weight_bytes_per_expert(s, s.bits, True) / 1e9
+        int_gb = s.E * weight_bytes_per_expert(s, s.bits, False, args.zero_points) / 1e9
+        dense_gb = s.E * weight_bytes_per_expert(s, s.bits, True) / 1e9
         lines.append(s.describe())
         if s.note:
             lines.append(f"  from {s.note}")
-        lines.append(f"  experts' weights per copy: int{s.bits} {int_gb:.2f} GB, bf16 {bf16_gb:.2f} GB")
+        lines.append(
+            f"  experts' weights per copy: int{s.bits} {int_gb:.2f} GB, {DTYPE_SHORT[args.dtype]} {dense_gb:.2f} GB"
+        )
     lines.append(f"M: {','.join(map(str, args.m))}")
     lines.append(f"providers: {args.providers}")
+    lines.append(f"dtype: {args.dtype}; zero points: {'yes' if args.zero_points else 'no (symmetric)'}")
     return "\n".join(lines)
+
+
+def run_header(args: argparse.Namespace, shapes: list[Shape], dev: str, bw: float, mm_rate: float,
+               versions: tuple[str, str, str]) -> str:  # fmt: skip
+    """The run's .md header (results_table.parse_header reads its metadata back: the commit field's trailing
+    "(...)", options_note, is the run_note). versions: vLLM's, torch's, Triton's."""
+    opts_note = options_note(args)
+    return (
+        f"# WNA16 MoE layer benchmark\n\n{datetime.date.today()} · {dev} · torch {versions[1]} · "
+        f"triton {versions[2]} · vLLM {versions[0]} · commit {git_commit()}{args.tag}"
+        f"{' ' + opts_note if opts_note else ''}\n\n"
+        f"Measured device copy bandwidth: {bw / 1e12:.2f} TB/s (read+write); bf16 matmul (8192³): "
+        f"{mm_rate / 1e12:.0f} TFLOP/s. CUDA-graph replay of R calls over "
+        f"R rotating weight copies (L2-cold), median of {args.reps} replays, µs per layer call"
+        f"{', host launch included' if args.launch_gap else ' (GPU kept busy while the host launches the graph)'}. "
+        f"'%bw' = weight bytes of the experts hit / time / copy bandwidth; '%mm' = the layer's 6·M·top_k·H·I "
+        f"FLOPs / time / the bf16 matmul rate. int4 (unless a shape says otherwise), "
+        f"{describe_options(args)}.\n"
+        + "".join(f"\n- {s.describe()}; from {s.note}" for s in shapes if s.note)
+        + ("\n" if any(s.note for s in shapes) else "")
+    )
 
 
 def main(argv=None) -> int:
@@ -552,6 +663,10 @@ def main(argv=None) -> int:
     if args.ep:
         print("bench_moe.py: error: --ep shapes are printed by --dry-run, not timed (the rank's share of the "
               "routed tokens needs the expert_map path)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.write_crossover and options_note(args):  # the table's key (crossover.layer_key) has neither
+        print("bench_moe.py: error: --write-crossover records bfloat16 symmetric layers only (a crossover entry's "
+              "key names no dtype or zero points)", file=sys.stderr)  # fmt: skip
         return 2
     global QUEUE_AHEAD_CYCLES
     if args.launch_gap:
@@ -569,30 +684,20 @@ def main(argv=None) -> int:
     mm_rate = measure_matmul_rate()
     ms = args.m
     providers = args.providers.split(",")
+    dtype = DTYPES[args.dtype]
+    opts_note = options_note(args)
     vllm = VllmPaths()
     import triton
     import vllm as vllm_pkg
 
-    header = (
-        f"# WNA16 MoE layer benchmark\n\n{datetime.date.today()} · {dev} · torch {torch.__version__} · "
-        f"triton {triton.__version__} · vLLM {vllm_pkg.__version__} · commit {git_commit()}{args.tag}\n\n"
-        f"Measured device copy bandwidth: {bw / 1e12:.2f} TB/s (read+write); bf16 matmul (8192³): "
-        f"{mm_rate / 1e12:.0f} TFLOP/s. CUDA-graph replay of R calls over "
-        f"R rotating weight copies (L2-cold), median of {args.reps} replays, µs per layer call"
-        f"{', host launch included' if args.launch_gap else ' (GPU kept busy while the host launches the graph)'}. "
-        f"'%bw' = weight bytes of the experts hit / time / copy bandwidth; '%mm' = the layer's 6·M·top_k·H·I "
-        f"FLOPs / time / the bf16 matmul rate. int4 (unless a shape says otherwise), "
-        f"bf16 activations.\n"
-        + "".join(f"\n- {s.describe()}; from {s.note}" for s in shapes if s.note)
-        + ("\n" if any(s.note for s in shapes) else "")
-    )
+    header = run_header(args, shapes, dev, bw, mm_rate, (vllm_pkg.__version__, torch.__version__, triton.__version__))
     print(header, flush=True)
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     partial = Path(args.out) / f"{datetime.date.today()}-{git_commit()}{args.tag}.partial.csv"
     for s in shapes:
         try:
-            kw13, kw2, d13, d2 = shape_weights(s, gen)
+            kw13, kw2, d13, d2 = shape_weights(s, gen, dtype, args.zero_points)
         except torch.cuda.OutOfMemoryError:  # a shape too large for the device: said, and the run goes on
             kw13 = None
         if kw13 is None:  # outside the except: its traceback no longer holds the half-built tensors
@@ -600,7 +705,7 @@ def main(argv=None) -> int:
                   "DeepSeek-V3 at TP 1 on 139 GiB: time it at a larger --tp)", flush=True)  # fmt: skip
             torch.cuda.empty_cache()
             continue
-        per_copy_int4 = s.E * weight_bytes_per_expert(s, s.bits, False)
+        per_copy_int4 = s.E * weight_bytes_per_expert(s, s.bits, False, args.zero_points)
         per_copy_bf16 = s.E * weight_bytes_per_expert(s, s.bits, True)
         copies = {}
         act_order = None  # (Weights, d13, d2) of the act-order twin, made when an -ao provider first runs
@@ -615,19 +720,16 @@ def main(argv=None) -> int:
             key = (kind, n)
             if key not in copies:
                 if kind == "int4":
-                    base = Weights(kw13.qweight, kw2.qweight, kw13.scales, kw2.scales)
+                    base = int_weights(kw13, kw2)
                 elif kind == "ao":
                     base = get_act_order()[0]
                 else:
-                    base = Weights(None, None, None, None, d13.to(torch.bfloat16), d2.to(torch.bfloat16))
-                out = [base]
-                for _ in range(n - 1):
-                    out.append(Weights(*[None if t is None else t.clone() for t in base.__dict__.values()]))
-                copies[key] = out
+                    base = Weights(None, None, None, None, d13.to(dtype), d2.to(dtype))
+                copies[key] = rotating_copies(base, n)
             return copies[key]
 
         for m in ms:
-            xc = torch.randn(m, s.H, generator=gen, device="cuda").to(torch.bfloat16)
+            xc = torch.randn(m, s.H, generator=gen, device="cuda").to(dtype)
             logits = torch.randn(m, s.E, generator=gen, device="cuda")
             twc, tic = torch.topk(logits.softmax(-1), s.top_k, dim=-1)
             tic = tic.to(torch.int32)
@@ -643,7 +745,7 @@ def main(argv=None) -> int:
                     continue
                 if ao and ref_ao is None:
                     ref_ao = fused_moe_ref(xc, *get_act_order()[1:], twc, tic).float()
-                touched = hit * weight_bytes_per_expert(s, s.bits, dense)
+                touched = hit * weight_bytes_per_expert(s, s.bits, dense, args.zero_points)
                 per_copy = per_copy_bf16 if dense else per_copy_int4
                 n_copies = max(1, min(8, math.ceil(150e6 / touched), int(20e9 // per_copy)))
                 ws = get_copies("bf16" if dense else "ao" if ao else "int4", n_copies)
@@ -713,6 +815,7 @@ def main(argv=None) -> int:
             reps=args.reps,
             timing="launch-included" if args.launch_gap else "queued",
             source=out / f"{stamp}.csv",
+            run_note=opts_note,
         )
         print(f"{len(rows)} rows appended to {path}")
     print(table)
@@ -736,12 +839,18 @@ def write_run_csv(rows, path: Path) -> None:
                 wr.writerow([shape, m, prov, "", "", "", "", f"{r[0]}: {r[1]}"])
 
 
-def append_to_device_csv(rows, path, out, *, date, device, versions, run, copy_bw, reps, timing, source) -> Path:
-    """Append a run's rows to the device CSV (bench/results_table.py's columns, the run's metadata on each)."""
+def append_to_device_csv(
+    rows, path, out, *, date, device, versions, run, copy_bw, reps, timing, source, run_note: str = ""
+) -> Path:
+    """Append a run's rows to the device CSV (bench/results_table.py's columns, the run's metadata on each).
+    run_note (options_note: --dtype / --zero-points where not the default) is added to the run's note: the
+    rows of a float16 or zero-point run are told apart from bfloat16 symmetric ones without a new column or
+    a changed shape name."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import results_table
 
     commit, _, note = results_table.split_commit(run)
+    note = " ".join(n for n in (note, run_note) if n)
     meta = {
         "date": date,
         "device": device,

@@ -324,7 +324,11 @@ def test_cli_without_model_config_keeps_the_built_in_shapes(bench, tmp_path, cap
     assert names[: len(bench.SHAPES)] == [s.name for s in bench.SHAPES]
     qwen = _write(tmp_path, "Q", QWEN3_30B_A3B)
     assert bench.main(["--model-config", str(qwen), "--shapes", "mixtral-8x7b", "--tp", "8", "--dry-run"]) == 0
-    names = [ln.split(":")[0] for ln in capsys.readouterr().out.splitlines() if not ln.startswith(("  ", "M:", "prov"))]
+    names = [
+        ln.split(":")[0]
+        for ln in capsys.readouterr().out.splitlines()
+        if not ln.startswith(("  ", "M:", "prov", "dtype:"))
+    ]
     assert names == ["mixtral-8x7b", "Q@tp8"]
 
 
@@ -429,26 +433,31 @@ def test_every_catalog_model_gives_the_tuner_a_problem(bench, tmp_path):
         assert group.scheme.group_size == 32 and problem.group_size_w13 == 32
 
 
-@pytest.mark.parametrize("prov", ["plugin-reference-ao", "plugin-triton-auto-ao"])
-def test_act_order_providers_run_the_checkpoint_the_reference_means(bench, shapes, prov):
+@pytest.mark.parametrize(
+    ("prov", "zero_points", "dtype"),
+    [
+        ("plugin-reference-ao", False, "bfloat16"),
+        ("plugin-triton-auto-ao", False, "bfloat16"),
+        ("plugin-reference-ao", True, "float16"),  # --zero-points --dtype float16: the zeros follow g_idx's groups
+        ("plugin-triton-auto-ao", True, "float16"),
+    ],
+)
+def test_act_order_providers_run_the_checkpoint_the_reference_means(bench, shapes, prov, zero_points, dtype):
     """make_act_order's twin: K rows of both GEMMs shuffled per expert with g_idx naming their groups; the
     plugin (sorting it at load as it sorts a real checkpoint) must give x @ W[:, P], the reference's, on
     fresh random data (and the base weights' result must differ, so a lost permutation would show)."""
     import torch
 
-    from vllm_wna16_plugin import packing
     from vllm_wna16_plugin.reference import fused_moe_ref
 
     s = shapes.Shape("ao", 4, 2, 128, 64, 32)
     gen = torch.Generator().manual_seed(7)
-    q13 = packing.quantize_rtn(torch.randn(s.E, 2 * s.I, s.H, generator=gen), 4, s.group_w13, False)
-    q2 = packing.quantize_rtn(torch.randn(s.E, s.H, s.I, generator=gen), 4, s.group_w2, False)
-    k13, k2 = packing.to_kernel_layout(q13, torch.bfloat16), packing.to_kernel_layout(q2, torch.bfloat16)
-    q13.scales, q2.scales = k13.scales.float(), k2.scales.float()
-    d13, d2 = packing.dequantize(q13), packing.dequantize(q2)
+    dtype = bench.DTYPES[dtype]
+    k13, k2, d13, d2 = bench.shape_weights(s, gen, dtype, zero_points, device="cpu")
     w, d13_ao, d2_ao = bench.make_act_order(k13, k2, d13, d2, s, 4, gen)
     assert w.g13.shape == (s.E, 2, s.H) and w.g2.shape == (s.E, s.I)
-    x = torch.randn(5, s.H, generator=gen).to(torch.bfloat16)
+    assert (w.qzeros13 is k13.qzeros and w.qzeros2 is k2.qzeros) and (w.qzeros13 is not None) == zero_points
+    x = torch.randn(5, s.H, generator=gen).to(dtype)
     weights, ids = torch.topk(torch.randn(5, s.E, generator=gen).softmax(-1), 2, dim=-1)
     ids = ids.to(torch.int32)
     want = fused_moe_ref(x, d13_ao, d2_ao, weights, ids).float()
@@ -461,3 +470,163 @@ def test_act_order_providers_run_the_checkpoint_the_reference_means(bench, shape
     w_only, none13, none2 = bench.make_act_order(k13, k2, None, None, s, 4, gen)
     assert none13 is None and none2 is None and w_only.g13.shape == w.g13.shape
     assert torch.isfinite(bench.plugin_backend(prov, x, w_only, ids, s.gs).run(x, weights, ids).float()).all()
+
+
+# ---------------------------------------------------------------- --dtype and --zero-points (AWQ-like, fp16 layers)
+
+
+def test_dtype_and_zero_points_are_parsed_with_the_old_defaults(bench, capsys):
+    import torch
+
+    args = bench.parse_args([])
+    assert (args.dtype, args.zero_points) == ("bfloat16", False) and bench.options_note(args) == ""
+    args = bench.parse_args(["--dtype", "float16", "--zero-points"])
+    assert (args.dtype, args.zero_points) == ("float16", True)
+    assert bench.DTYPES[args.dtype] is torch.float16
+    assert bench.options_note(args) == "(float16, zero points)"
+    assert bench.options_note(bench.parse_args(["--dtype", "float16"])) == "(float16, symmetric)"
+    assert bench.options_note(bench.parse_args(["--zero-points"])) == "(bfloat16, zero points)"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dtype", "float32"])
+    assert "invalid choice: 'float32'" in capsys.readouterr().err
+
+
+def test_dry_run_says_the_dtype_and_zero_points_and_counts_the_zeros(bench, capsys):
+    # qwen3.5-35b-a3b (gs32): per expert 3HI/2 = 1572864 weight bytes + 98304 groups x 2 scale bytes (0.45 GB for
+    # 256 experts), and with zero points 98304 x 4/8 zero bytes more (0.47 GB)
+    assert bench.main(["--shapes", "qwen3.5-35b-a3b", "--m", "1", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "dtype: bfloat16; zero points: no (symmetric)" in lines
+    assert "  experts' weights per copy: int4 0.45 GB, bf16 1.61 GB" in lines
+    assert bench.main(["--shapes", "qwen3.5-35b-a3b", "--m", "1", "--dtype", "float16", "--zero-points",
+                       "--dry-run"]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert "dtype: float16; zero points: yes" in lines
+    assert "  experts' weights per copy: int4 0.47 GB, fp16 1.61 GB" in lines
+
+
+def test_an_awq_models_note_says_whether_its_zero_points_are_timed(bench, tmp_path, capsys):
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    path = _write(tmp_path, "Qwen3-30B-A3B-AWQ", {**QWEN3_30B_A3B, "quantization_config": awq})
+    assert bench.main(["--model-config", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "timed symmetric, without the checkpoint's zero points" in out and "--zero-points" not in out
+    assert bench.main(["--model-config", str(path), "--zero-points", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "timed with zero points (--zero-points), as the checkpoint holds them" in out
+    assert "timed symmetric" not in out and "dtype: bfloat16; zero points: yes" in out
+
+
+def test_crossovers_are_not_written_from_a_float16_or_zero_point_run(bench, capsys):
+    # the crossover table's key names neither: such a run must not replace the bf16 symmetric entry
+    for flags in (["--zero-points"], ["--dtype", "float16"]):
+        assert bench.main(["--shapes", "qwen3-30b-a3b", "--write-crossover", "/nonexistent", *flags]) == 2
+        assert "--write-crossover records bfloat16 symmetric layers only" in capsys.readouterr().err
+
+
+def _small_shape(shapes, bits=4):
+    return shapes.Shape("zp", 4, 2, 128, 64, 32, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_byte_accounting_counts_the_packed_zeros_the_tensors_hold(bench, shapes, bits):
+    """weight_bytes_per_expert: (2I * H/gs + H * I/gs) zeros of bits/8 bytes on top of weights and scales, as
+    many bytes as the kernel-layout tensors have (qweight + scales + qzeros, per expert)."""
+    import torch
+
+    s = _small_shape(shapes, bits)
+    groups = 2 * s.I * (s.H // 32) + s.H * (s.I // 32)
+    sym = 3 * s.H * s.I * bits / 8 + groups * 2
+    assert bench.weight_bytes_per_expert(s, bits, False) == sym
+    assert bench.weight_bytes_per_expert(s, bits, False, True) == sym + groups * bits / 8
+    assert bench.weight_bytes_per_expert(s, bits, True, True) == 3 * s.H * s.I * 2  # dense: no zeros
+    for zp in (False, True):
+        kw13, kw2, _, _ = bench.shape_weights(s, torch.Generator().manual_seed(0), torch.float16, zp, device="cpu")
+        held = sum(t.numel() * t.element_size() for kw in (kw13, kw2) for t in vars(kw).values() if t is not None)
+        assert held / s.E == bench.weight_bytes_per_expert(s, bits, False, zp), zp
+
+
+def test_zero_point_float16_weights_carry_the_zeros_and_dtype_to_every_path(bench, shapes):
+    """--zero-points --dtype float16 on CPU: the kernel-layout zeros reach the Weights, each rotating copy (cloned),
+    the plugin's KernelTensors and MoEProblem, and vLLM's quant config; the reference is (q - z) * s with the
+    float16-rounded scales, the very values vLLM's moe_wna16 Triton kernel computes from those tensors."""
+    import torch
+
+    from vllm_wna16_plugin.reference import fused_moe_ref
+
+    args = bench.parse_args(["--zero-points", "--dtype", "float16"])
+    dtype = bench.DTYPES[args.dtype]
+    s = _small_shape(shapes)
+    gen = torch.Generator().manual_seed(3)
+    kw13, kw2, d13, d2 = bench.shape_weights(s, gen, dtype, args.zero_points, device="cpu")
+    w = bench.int_weights(kw13, kw2)
+    assert w.qzeros13.shape == (s.E, 2 * s.I // 2, s.H // 32) and w.qzeros2.shape == (s.E, s.H // 2, s.I // 32)
+    assert w.qzeros13.dtype == w.qzeros2.dtype == torch.uint8
+    assert w.scales13.dtype == w.scales2.dtype == torch.float16
+    # vLLM's fused_moe_kernel_gptq_awq: q = B[e, n, k // 2] >> (k % 2) * 4, zero = B_zp[e, n // 2, g] >> (n % 2) * 4
+    # (4 bits each), w = (q - zero) * B_scale[e, n, g] in fp32: the reference's weights, exactly
+    for kw, d in ((kw13, d13), (kw2, d2)):
+        n, k = d.shape[1:]
+        kk, nn = torch.arange(k), torch.arange(n)
+        q = (kw.qweight[:, :, kk // 2].int() >> (kk % 2 * 4)) & 0xF
+        z = (kw.qzeros[:, nn // 2, :].int() >> (nn % 2 * 4)[:, None]) & 0xF
+        vllm_w = (q - z.repeat_interleave(32, -1)).float() * kw.scales.float().repeat_interleave(32, -1)
+        assert torch.equal(vllm_w, d)
+        assert not torch.equal(z, torch.full_like(z, 8))  # real zero points, not the symmetric midpoint
+    copies = bench.rotating_copies(w, 3)
+    for c in copies[1:]:
+        for name in ("q13", "q2", "scales13", "scales2", "qzeros13", "qzeros2"):
+            a, b = getattr(c, name), getattr(w, name)
+            assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), name  # a copy of its own, L2-cold
+        assert c.g13 is None and c.dense13 is None
+    kt = bench.kernel_tensors(copies[2])
+    assert kt.w13_qzeros is copies[2].qzeros13 and kt.w2_qzeros is copies[2].qzeros2
+    x = torch.randn(5, s.H, generator=gen).to(dtype)
+    weights, ids = torch.topk(torch.randn(5, s.E, generator=gen).softmax(-1), 2, dim=-1)
+    ids = ids.to(torch.int32)
+    p = bench.layer_problem(x, copies[1], ids, s.gs)
+    assert p.scheme.has_zero_point and p.act_dtype == torch.float16
+    assert not bench.layer_problem(
+        x, bench.Weights(w.q13, w.q2, w.scales13, w.scales2), ids, s.gs
+    ).scheme.has_zero_point
+    want = fused_moe_ref(x, d13, d2, weights, ids).float()
+    got = bench.plugin_backend("plugin-reference", x, copies[1], ids, s.gs).run(x, weights, ids)
+    assert got.dtype == torch.float16 and ((got.float() - want).norm() / want.norm()).item() < 2e-2
+    # vLLM's in-tree path: the same zeros (its layout, see above) and scales go into its quant config
+    seen = {}
+    paths = object.__new__(bench.VllmPaths)
+    paths.fm = type("FM", (), {"should_moe_wna16_use_cuda": staticmethod(lambda *a, **kw: True)})()
+    paths.orig = paths.fm.should_moe_wna16_use_cuda
+    paths.qc = {4: lambda **kw: kw}
+    paths.fused_experts = lambda x, w1, w2, tw, ti, quant_config: seen.update(quant_config, w1=w1, w2=w2)
+    paths.int4("vllm-triton", x, copies[1], weights, ids, s.gs)
+    assert seen["w1_zp"] is copies[1].qzeros13 and seen["w2_zp"] is copies[1].qzeros2
+    assert seen["w1_scale"] is copies[1].scales13 and seen["w1"] is copies[1].q13 and seen["block_shape"] == [0, 32]
+
+
+def test_run_header_and_device_csv_record_the_dtype_and_zero_points(bench, tmp_path, monkeypatch):
+    """The .md header says them (and results_table.parse_header reads the note back, as consolidate does); the
+    device CSV's rows carry them in run_note; a default run's note stays empty, as every earlier run's is."""
+    import results_table
+
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    shape = bench.SHAPES[0]
+    for flags, note, words in (
+        ([], "", "bfloat16 activations and scales (bf16-dense: bfloat16 weights), symmetric (no zero points)"),
+        (["--dtype", "float16", "--zero-points", "--tag=-awq"], "(float16, zero points)",
+         "float16 activations and scales (bf16-dense: float16 weights), zero points"),
+    ):  # fmt: skip
+        args = bench.parse_args(flags)
+        header = bench.run_header(args, [shape], "GPU X", 3e12, 800e12, ("0.34.0", "2.11", "3.6"))
+        assert words in header
+        md = tmp_path / f"run{len(flags)}.md"
+        md.write_text(header)
+        meta = results_table.parse_header(md)
+        assert (meta["commit"], meta["run"], meta["run_note"]) == ("abc1234", f"abc1234{args.tag}", note)
+        path = bench.append_to_device_csv(
+            [(shape.name, 1, "plugin-auto", (10.0, 9.0, 11.0, 0.5))], tmp_path / "results.csv", tmp_path,
+            date="2026-12-06", device="GPU X", versions=("0.34.0", "2.11", "3.6"), run=f"abc1234{args.tag}",
+            copy_bw=3e12, reps=5, timing="queued", source=tmp_path / "x.csv", run_note=bench.options_note(args),
+        )  # fmt: skip
+        row = results_table.read(path)[-1]
+        assert (row["run"], row["run_note"], row["shape"]) == (f"abc1234{args.tag}", note, shape.name)

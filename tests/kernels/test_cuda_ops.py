@@ -483,7 +483,8 @@ def test_act_order_layer_reads_x_in_each_experts_k_order(zp, gs, emap, monkeypat
 @pytest.mark.parametrize("emap, dtype", [(False, torch.bfloat16), (True, torch.float16)])
 def test_the_act_order_gather_kernel_is_the_torch_gather(emap, dtype, monkeypatch):
     """kernels/triton/act_order.py against the torch form and a loop of plain indexing, on fresh random data:
-    H not a power of two (a masked tail), pairs routed off the rank (expert_map -1: expert 0's order)."""
+    H not a power of two (a masked tail), pairs routed off the rank (expert_map -1: expert 0's order), padding
+    pairs (id -1: expert 0's order)."""
     from vllm_wna16_plugin.kernels import cuda_ops
     from vllm_wna16_plugin.kernels.triton.act_order import act_order_rows_triton
 
@@ -497,8 +498,9 @@ def test_the_act_order_gather_kernel_is_the_torch_gather(emap, dtype, monkeypatc
         expert_map = torch.full((n_global,), -1, dtype=torch.int32)
         expert_map[torch.tensor([0, 2, 5, 7])] = torch.arange(E, dtype=torch.int32)
     ids = torch.randint(0, n_global, (m, top_k), generator=gen, dtype=torch.int32)
+    ids[-1, 1:] = -1  # vLLM 0.34's padding pairs: expert 0's order, the map never indexed with -1
     got = act_order_rows_triton(a, a_perm, ids, expert_map)
-    want = torch.stack([a[p // top_k, a_perm[max(0, int(expert_map[e]) if emap else int(e))].long()]
+    want = torch.stack([a[p // top_k, a_perm[max(0, int(expert_map[e]) if emap and e >= 0 else int(e))].long()]
                         for p, e in enumerate(ids.reshape(-1))])  # fmt: skip
     assert torch.equal(got, want)
     monkeypatch.setattr(cuda_ops, "ACT_ORDER_GATHER_PAIRS", 4)  # the torch form's 21 pairs in 6 steps

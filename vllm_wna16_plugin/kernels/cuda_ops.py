@@ -403,9 +403,12 @@ def act_order_rows_torch(
     """act_order_rows in torch ops, ACT_ORDER_GATHER_PAIRS pairs at a time (a bounded int64 index); no host
     sync, CUDA-graph capturable, eight launches (the form before 2026-12-05's measurement)."""
     m, top_k = topk_ids.shape
-    local = topk_ids.reshape(-1).long()
+    # vLLM's padding pairs (id -1, never an index into the map) and other ranks' experts (map -1) gather
+    # expert 0's order, as the Triton kernel does: the GEMMs skip those pairs
+    ids = topk_ids.reshape(-1).long()
+    local = ids
     if expert_map is not None:
-        local = expert_map.long()[local]
+        local = torch.where(ids >= 0, expert_map.long()[ids.clamp(min=0)], 0)
     local = local.clamp(min=0)
     tokens = torch.arange(m * top_k, device=a.device) // top_k
     out = torch.empty(m * top_k, a.shape[1], dtype=a.dtype, device=a.device)

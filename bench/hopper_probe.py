@@ -94,11 +94,13 @@ class Layer:
         k13, k2 = packing.to_kernel_layout(q13, torch.bfloat16), packing.to_kernel_layout(q2, torch.bfloat16)
         q13.scales, q2.scales = k13.scales.float(), k2.scales.float()  # the reference sees the bf16 scales
         self.dense13, self.dense2 = packing.dequantize(q13), packing.dequantize(q2)
-        self.w13 = ext.prepare_weights(k13.qweight.contiguous())
-        self.w2 = ext.prepare_weights(k2.qweight.contiguous())
+        self.w13 = ext.prepare_weights(k13.qweight.contiguous(), 4)
+        self.w2 = ext.prepare_weights(k2.qweight.contiguous(), 4)
         self.s13 = k13.scales.transpose(1, 2).contiguous()  # (E, G, N)
         self.s2 = k2.scales.transpose(1, 2).contiguous()
-        self.consts = ext.layer_constants(E, 2 * inter, H, H, inter, H // GROUP, inter // GROUP, torch.device("cuda"))
+        self.consts = ext.layer_constants(
+            E, 2 * inter, H, H, inter, H // GROUP, inter // GROUP, 4, torch.device("cuda")
+        )
 
     def tile(self, m: int) -> int:
         """The token-tile width for m tokens: the narrowest of TILES that holds the rows an expert hit takes
@@ -110,7 +112,7 @@ class Layer:
     def __call__(self, x, topk_w, topk_ids, stages: int = 6, tile: int | None = None):
         t = tile or self.tile(x.shape[0])
         return self.ext.moe_forward(x, topk_ids, topk_w, self.w13, self.s13, self.w2, self.s2, None, None,
-                                    self.consts, GROUP, GROUP, t, t, stages)  # fmt: skip
+                                    self.consts, 4, GROUP, GROUP, t, t, stages)  # fmt: skip
 
 
 def routing(m, E, top_k, gen):  # noqa: N803

@@ -118,10 +118,11 @@ HOPPER_PROBE_SIZES = (*PROBE_SIZES, 1024, 2048, 4096, 8192)
 
 def hopper_composable(selection: Selection, max_tokens: int | None = None) -> str | None:
     """Why auto cannot hand some of this layer's batches to the hopper kernel, or None when it can: an auto cuda /
-    triton layer in the kernel's scope (backends/hopper.hopper_scope) with the extension built, whose rule takes
+    triton layer in the kernel's scope (backends/hopper.hopper_scope) with the extension built, whose rule (fitted on
+    the layer's bits: hopper_rule_gap) takes
     at least one batch size of HOPPER_PROBE_SIZES up to max_tokens (the engine's token budget per step: a copy
     no batch can use is not kept)."""
-    from vllm_wna16_plugin.backends.hopper import hopper_scope, hopper_takes
+    from vllm_wna16_plugin.backends.hopper import hopper_rule_gap, hopper_scope, hopper_takes
 
     problem = selection.problem
     if selection.requested != "auto":
@@ -129,7 +130,7 @@ def hopper_composable(selection: Selection, max_tokens: int | None = None) -> st
     if selection.backend.name not in COMPOSABLE:
         return f"auto runs it on {selection.backend.name!r}, not on the plugin's kernels"
     device = layer_device(problem)
-    if reason := hopper_scope(problem, device):
+    if reason := hopper_scope(problem, device) or hopper_rule_gap(problem):
         return reason
     if not problem.options.plan_only:
         from vllm_wna16_plugin.kernels.hopper_ops import extension_error

@@ -1,11 +1,11 @@
 // CUTLASS's Hopper mixed-input grouped GEMM (TMA loads, wgmma, one producer and two consumer warp groups, a
 // persistent scheduler over every expert's tiles: CUTLASS 4.2 example 69's kernel, in our own setting) for
-// the routed experts, by token-tile width:
+// the routed experts, by token-tile width, activation type, zero points and weight bits:
 //
 //   D_e[j, n] = sum_k A_e[j, k] * s_e[k / g, n] * q_e[n, k]     for the rows j of expert e
 //
-// q_e: expert e's (N, K) weights as signed int4 (CUTLASS's int4b_t), reordered so that a thread's 8 values
-// feed the wgmma fragment without shuffles; s_e: (G, N) scales, N contiguous; A_e: (rows, K), row major; D_e:
+// q_e: expert e's (N, K) weights as signed int4 or int8 (CUTLASS's int4b_t, int8_t: Weights<Bits>), reordered so
+// that a thread's values feed the wgmma fragment without shuffles; s_e: (G, N) scales, N contiguous; A_e: (rows, K), row major; D_e:
 // (rows, N): bf16 or fp16, one type per build (Act). The weights are the MMA's M side ("swap AB": 128 weight rows a tile), the tokens
 // its N side (TileN a tile), so an expert with few rows fills its tiles with a narrow TileN.
 #pragma once
@@ -38,7 +38,6 @@ struct ActType<Act::kFp16> {
   using type = cutlass::half_t;
 };
 using MmaType = cutlass::bfloat16_t;  // the shapes, alignments and the weights' reorder (the same for fp16)
-using QuantType = cutlass::int4b_t;
 using ElementAccumulator = float;
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 using UnderlyingProblemShape = ProblemShape::UnderlyingProblemShape;
@@ -54,40 +53,59 @@ using LayoutD = cutlass::layout::RowMajor;
 using LayoutA_T = typename cutlass::layout::LayoutTranspose<LayoutA>::type;
 using LayoutD_T = typename cutlass::layout::LayoutTranspose<LayoutD>::type;
 constexpr int kAlignA = 128 / cutlass::sizeof_bits<MmaType>::value;
-constexpr int kAlignB = 128 / cutlass::sizeof_bits<QuantType>::value;
 constexpr int kAlignD = 128 / cutlass::sizeof_bits<MmaType>::value;
 
 using StrideA = cute::remove_pointer_t<cutlass::detail::TagToStrideA_t<LayoutA*>>;
 using StrideB = cute::remove_pointer_t<cutlass::detail::TagToStrideB_t<LayoutB*>>;
 
-// a thread's 8 int4 values contiguous in memory, in the order the bf16 conversion wants them
-using ValueShuffle = Layout<Shape<_2, _4>, Stride<_4, _1>>;
+// The weights of a build: their signed type, and the order of a thread's values in memory: contiguous, in the order
+// CUTLASS's fast conversion to 16 bits takes them (mixed_input_utils.hpp's LayoutAwareConvertImpl: [0,2,4,6,1,3,5,7]
+// for int4, [0,2,1,3] for int8)
+template <int Bits>
+struct Weights;
+template <>
+struct Weights<4> {
+  using Quant = cutlass::int4b_t;
+  using ValueShuffle = Layout<Shape<_2, _4>, Stride<_4, _1>>;
+};
+template <>
+struct Weights<8> {
+  using Quant = cutlass::int8_t;
+  using ValueShuffle = Layout<Shape<_2, _2>, Stride<_2, _1>>;
+};
+template <int Bits>
+using QuantType = typename Weights<Bits>::Quant;
 using MmaAtomShape = Layout<Shape<_1, _1>>;
-using LayoutAtomQuant = decltype(cutlass::compute_memory_reordering_atom<MmaType, MmaAtomShape, ValueShuffle>());
-using LayoutB_Reordered = decltype(cute::tile_to_shape(LayoutAtomQuant{}, Layout<Shape<int, int, Int<1>>, StrideB>{}));
+template <int Bits, class Mma = MmaType>
+using LayoutAtomQuant =
+    decltype(cutlass::compute_memory_reordering_atom<Mma, MmaAtomShape, typename Weights<Bits>::ValueShuffle>());
+template <int Bits>
+using LayoutB_Reordered =
+    decltype(cute::tile_to_shape(LayoutAtomQuant<Bits>{}, Layout<Shape<int, int, Int<1>>, StrideB>{}));
 // one prepared copy of the weights serves both activation types: their wgmma fragments take the same reorder
-static_assert(std::is_same_v<LayoutAtomQuant, decltype(cutlass::compute_memory_reordering_atom<cutlass::half_t,
-                                                                                                MmaAtomShape,
-                                                                                                ValueShuffle>())>,
+static_assert(std::is_same_v<LayoutAtomQuant<4>, LayoutAtomQuant<4, cutlass::half_t>> &&
+                  std::is_same_v<LayoutAtomQuant<8>, LayoutAtomQuant<8, cutlass::half_t>>,
               "fp16 and bf16 must share the weights' reorder");
 
-template <int TileN, Act A, bool Z>
+template <int TileN, Act A, bool Z, int Bits>
 struct GroupedKernel {
-  static_assert(tile_is_built(TileN, A, Z), "a (width, type, zero points) triple outside tile_is_built");
+  static_assert(tile_is_built(TileN, A, Z, Bits), "a (width, type, zero points, bits) build outside tile_is_built");
   using Element = typename ActType<A>::type;  // activations, scales, zero tables and outputs
   using ElementScale = Element;
   using ElementD = Element;
-  // the weights' operand: int4 with scales, and with zero tables where Z (CUTLASS's ConvertAndScaleWithZero:
+  using Quant = QuantType<Bits>;
+  using LayoutB = LayoutB_Reordered<Bits>;
+  static constexpr int kAlignB = 128 / cutlass::sizeof_bits<Quant>::value;
+  // the weights' operand: int4 / int8 with scales, and with zero tables where Z (CUTLASS's ConvertAndScaleWithZero:
   // w = s * q + z, per group)
-  using QuantOperand =
-      cute::conditional_t<Z, cute::tuple<QuantType, ElementScale, Element>, cute::tuple<QuantType, ElementScale>>;
+  using QuantOperand = cute::conditional_t<Z, cute::tuple<Quant, ElementScale, Element>, cute::tuple<Quant, ElementScale>>;
   using TileShape = Shape<_128, Int<TileN>, Int<kTileK>>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, ElementAccumulator, void, LayoutD_T*,
       kAlignD, ElementD, LayoutD_T*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, QuantOperand, LayoutB_Reordered*,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, QuantOperand, LayoutB*,
       kAlignB, Element, LayoutA_T*, kAlignA, ElementAccumulator, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
@@ -115,7 +133,7 @@ struct GroupedKernel {
     // the mainloop's operands swapped: its A is the weights (b), its B the activations (a); the zero tables share
     // the scales' strides
     typename CollectiveMainloop::Arguments mainloop{
-        reinterpret_cast<const QuantType**>(g.b), static_cast<LayoutB_Reordered*>(g.layout_b),
+        reinterpret_cast<const Quant**>(g.b), static_cast<LayoutB*>(g.layout_b),
         reinterpret_cast<const Element**>(g.a),   static_cast<StrideA*>(g.stride_a),
         reinterpret_cast<const ElementScale**>(g.s), static_cast<StrideS*>(g.stride_s), g.group_size};
     if constexpr (Z) mainloop.ptr_Z = reinterpret_cast<const Element**>(g.z);
@@ -129,22 +147,24 @@ struct GroupedKernel {
   }
 };
 
-// every width and type shares the per-expert arrays moe_w4a16_grouped.cu writes once per layer
-using StrideS = typename GroupedKernel<64, Act::kBf16, false>::StrideS;
-using StrideD = typename GroupedKernel<64, Act::kBf16, false>::StrideD;
-using StrideC = typename GroupedKernel<64, Act::kBf16, false>::StrideC;
+// every build shares the per-expert arrays moe_w4a16_grouped.cu writes once per layer (the weights' layouts differ
+// by bits: LayoutB_Reordered<Bits>)
+using StrideS = typename GroupedKernel<64, Act::kBf16, false, 4>::StrideS;
+using StrideD = typename GroupedKernel<64, Act::kBf16, false, 4>::StrideD;
+using StrideC = typename GroupedKernel<64, Act::kBf16, false, 4>::StrideC;
 
-template <int TileN, Act A, bool Z>
+template <int TileN, Act A, bool Z, int Bits>
 size_t grouped_workspace_bytes(const GroupedArgs& g) {
-  return GroupedKernel<TileN, A, Z>::Gemm::get_workspace_size(GroupedKernel<TileN, A, Z>::arguments(g));
+  using K = GroupedKernel<TileN, A, Z, Bits>;
+  return K::Gemm::get_workspace_size(K::arguments(g));
 }
 
-template <int TileN, Act A, bool Z>
+template <int TileN, Act A, bool Z, int Bits>
 const char* run_grouped(const GroupedArgs& g) {
-  using K = GroupedKernel<TileN, A, Z>;
+  using K = GroupedKernel<TileN, A, Z, Bits>;
   static_assert(std::is_same_v<typename K::StrideS, StrideS> && std::is_same_v<typename K::StrideD, StrideD> &&
                     std::is_same_v<typename K::StrideC, StrideC>,
-                "every tile width and type must take the layer's one set of strides");
+                "every build must take the layer's one set of strides");
   auto args = K::arguments(g);
   typename K::Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return "CUTLASS cannot implement this grouped GEMM";
@@ -155,10 +175,10 @@ const char* run_grouped(const GroupedArgs& g) {
 
 }  // namespace wna16_hopper
 
-// One built triple's instantiation (tile_is_built): the body of each grouped_tile_<N>[_fp16][_zp].cu, built in
+// One build's instantiation (tile_is_built): the body of each grouped_tile_<N>[_fp16][_zp][_int8].cu, built in
 // parallel
-#define WNA16_HOPPER_INSTANTIATE(TILE, ACT, ZERO)                                  \
-  namespace wna16_hopper {                                                         \
-  template size_t grouped_workspace_bytes<TILE, Act::ACT, ZERO>(const GroupedArgs&); \
-  template const char* run_grouped<TILE, Act::ACT, ZERO>(const GroupedArgs&);        \
+#define WNA16_HOPPER_INSTANTIATE(TILE, ACT, ZERO, BITS)                                    \
+  namespace wna16_hopper {                                                                 \
+  template size_t grouped_workspace_bytes<TILE, Act::ACT, ZERO, BITS>(const GroupedArgs&); \
+  template const char* run_grouped<TILE, Act::ACT, ZERO, BITS>(const GroupedArgs&);        \
   }

@@ -1,6 +1,7 @@
-// One grouped int4 x bf16 (or fp16) GEMM launch over the routed experts, by token-tile width, activation type and
-// zero points (grouped_gemm.cuh defines it, one translation unit per built triple: tile_is_built). No CUTLASS types here: the arrays are the
-// device-side per-expert arrays moe_w4a16_grouped.cu writes (problem shapes, pointers, strides, layouts).
+// One grouped int4 (or int8) x bf16 (or fp16) GEMM launch over the routed experts, by token-tile width, activation
+// type, zero points and weight bits (grouped_gemm.cuh defines it, one translation unit per build: tile_is_built).
+// No CUTLASS types here: the arrays are the device-side per-expert arrays moe_w4a16_grouped.cu writes (problem
+// shapes, pointers, strides, layouts).
 #pragma once
 
 #include <cstddef>
@@ -14,24 +15,26 @@ constexpr int kTileWidths[] = {32, 64, 128, 256};
 // the activations' type, which the scales (and zero tables) and the outputs share
 enum class Act { kBf16, kFp16 };
 
-// The (width, type, zero points) triples built, one translation unit each (grouped_tile_<N>[_fp16][_zp].cu): every
-// width for symmetric bf16, the widths auto's rule runs (128 and 256: 64+ rows per hit expert, token_tile) for fp16
-// and for zero points, which keeps the build at ten units. kernels/hopper_ops.py's BUILT_TILES says the same and a
-// CPU test checks both against the files.
-constexpr bool tile_is_built(int tile, Act act, bool zero_points) {
-  return tile == 128 || tile == 256 || (act == Act::kBf16 && !zero_points && (tile == 32 || tile == 64));
+// The (width, type, zero points, weight bits) builds, one translation unit each
+// (grouped_tile_<N>[_fp16][_zp][_int8].cu): every width for symmetric int4 bf16, the widths auto's rule runs (128 and
+// 256: 64+ rows per hit expert, token_tile) for fp16, for zero points and for symmetric int8, which keeps the build
+// at fourteen units. kernels/hopper_ops.py's BUILT_TILES says the same and a CPU test checks both against the files.
+constexpr bool tile_is_built(int tile, Act act, bool zero_points, int bits = 4) {
+  if (bits == 8) return !zero_points && (tile == 128 || tile == 256);
+  return bits == 4 &&
+         (tile == 128 || tile == 256 || (act == Act::kBf16 && !zero_points && (tile == 32 || tile == 64)));
 }
 
 struct GroupedArgs {
   int num_groups = 0;
   void* problems = nullptr;  // UnderlyingProblemShape[E]: (N, rows of expert e, K)
-  const void** b = nullptr;  // expert e's signed, reordered int4 weights
+  const void** b = nullptr;  // expert e's signed, reordered int4 (int8) weights
   void* layout_b = nullptr;  // LayoutB_Reordered[E]
   const void** a = nullptr;  // expert e's first activation row
   void* stride_a = nullptr;  // StrideA[E]
   const void** s = nullptr;  // expert e's (G, N) scales
   void* stride_s = nullptr;  // StrideS[E] (the zero tables' too)
-  const void** z = nullptr;  // expert e's (G, N) zero table, (8 - z) * s (zero-point builds only)
+  const void** z = nullptr;  // expert e's (G, N) zero table, (2**(bits-1) - z) * s (zero-point builds only)
   int group_size = 0;        // K elements per scale (K itself: channel-wise)
   void** d = nullptr;        // expert e's first output row
   void* stride_d = nullptr;  // StrideD[E]
@@ -43,9 +46,9 @@ struct GroupedArgs {
 };
 
 // bytes of workspace one launch needs; then the launch (nullptr, or why CUTLASS refused it)
-template <int TileN, Act A, bool Z>
+template <int TileN, Act A, bool Z, int Bits>
 size_t grouped_workspace_bytes(const GroupedArgs& args);
-template <int TileN, Act A, bool Z>
+template <int TileN, Act A, bool Z, int Bits>
 const char* run_grouped(const GroupedArgs& args);
 
 }  // namespace wna16_hopper

@@ -1,4 +1,4 @@
-// The routed-experts layer on CUTLASS's Hopper grouped int4 x bf16 (or fp16) GEMM (grouped_gemm.cuh), sm90a:
+// The routed-experts layer on CUTLASS's Hopper grouped int4 (or int8) x bf16 (or fp16) GEMM (grouped_gemm.cuh), sm90a:
 //
 //   route(topk_ids) -> expert e's pairs at rows [off_e, off_e + count_e) of the expert-sorted pairs, both
 //                      GEMMs' problems (N, count_e, K) and per-expert pointers, on the device (no host sync:
@@ -10,11 +10,11 @@
 //   out[t] = sum_j w[t, j] * d2[pair_row[t * top_k + j]]        float32 sum; pairs whose id is outside [0, E)
 //                                                               (vLLM's padding, -1) skipped
 //
-// Weights: the plugin's kernel layout (E, N, K/2) uint8, even k in the low nibble, made signed (q' = q - 8: XOR
-// 0x8 per nibble, CUTLASS's int4b_t) and reordered per expert at prepare (prepare_weights); scales (E, G, N), N
-// contiguous (the plugin's (E, N, G) transposed by the caller). Symmetric: w = s * q'. With zero points z the
-// caller gives zero tables shaped as the scales, z' = (8 - z) * s, and CUTLASS's ConvertAndScaleWithZero computes
-// w = s * q' + z' = s * (q - z).
+// Weights: the plugin's kernel layout (E, N, K * bits / 8) uint8 (int4: even k in the low nibble), made signed
+// (q' = q - 2**(bits-1): XOR 0x8 per nibble, 0x80 per byte; CUTLASS's int4b_t, int8_t) and reordered per expert at
+// prepare (prepare_weights); scales (E, G, N), N contiguous (the plugin's (E, N, G) transposed by the caller).
+// Symmetric: w = s * q'. With zero points z the caller gives zero tables shaped as the scales,
+// z' = (2**(bits-1) - z) * s, and CUTLASS's ConvertAndScaleWithZero computes w = s * q' + z' = s * (q - z).
 // Issue 23's prototype: bench/hopper_probe.py builds it with torch's JIT (CUTLASS headers from the
 // nvidia-cutlass wheel); setup.py builds it as vllm_wna16_plugin._hopper where CUTLASS is found, and the
 // `hopper` backend runs it (kernels/hopper_ops.py; docs/perf/hopper-path.md).
@@ -28,57 +28,73 @@
 
 namespace wna16_hopper {
 
-// built in grouped_tile_<N>[_fp16][_zp].cu (tile_is_built)
-#define WNA16_HOPPER_EXTERN(TILE, ACT, ZERO)                                                    \
-  extern template size_t grouped_workspace_bytes<TILE, Act::ACT, ZERO>(const GroupedArgs&); \
-  extern template const char* run_grouped<TILE, Act::ACT, ZERO>(const GroupedArgs&);
-WNA16_HOPPER_EXTERN(32, kBf16, false)
-WNA16_HOPPER_EXTERN(64, kBf16, false)
-WNA16_HOPPER_EXTERN(128, kBf16, false)
-WNA16_HOPPER_EXTERN(256, kBf16, false)
-WNA16_HOPPER_EXTERN(128, kFp16, false)
-WNA16_HOPPER_EXTERN(256, kFp16, false)
-WNA16_HOPPER_EXTERN(128, kBf16, true)
-WNA16_HOPPER_EXTERN(256, kBf16, true)
-WNA16_HOPPER_EXTERN(128, kFp16, true)
-WNA16_HOPPER_EXTERN(256, kFp16, true)
+// built in grouped_tile_<N>[_fp16][_zp][_int8].cu (tile_is_built)
+#define WNA16_HOPPER_EXTERN(TILE, ACT, ZERO, BITS)                                                    \
+  extern template size_t grouped_workspace_bytes<TILE, Act::ACT, ZERO, BITS>(const GroupedArgs&); \
+  extern template const char* run_grouped<TILE, Act::ACT, ZERO, BITS>(const GroupedArgs&);
+WNA16_HOPPER_EXTERN(32, kBf16, false, 4)
+WNA16_HOPPER_EXTERN(64, kBf16, false, 4)
+WNA16_HOPPER_EXTERN(128, kBf16, false, 4)
+WNA16_HOPPER_EXTERN(256, kBf16, false, 4)
+WNA16_HOPPER_EXTERN(128, kFp16, false, 4)
+WNA16_HOPPER_EXTERN(256, kFp16, false, 4)
+WNA16_HOPPER_EXTERN(128, kBf16, true, 4)
+WNA16_HOPPER_EXTERN(256, kBf16, true, 4)
+WNA16_HOPPER_EXTERN(128, kFp16, true, 4)
+WNA16_HOPPER_EXTERN(256, kFp16, true, 4)
+WNA16_HOPPER_EXTERN(128, kBf16, false, 8)
+WNA16_HOPPER_EXTERN(256, kBf16, false, 8)
+WNA16_HOPPER_EXTERN(128, kFp16, false, 8)
+WNA16_HOPPER_EXTERN(256, kFp16, false, 8)
 
 // ------------------------------------------------------------------------------------------ preparation
 
-// (E, N, K/2) uint8, unsigned with midpoint 8 -> signed nibbles, reordered per expert (a new tensor)
-torch::Tensor prepare_weights(torch::Tensor qweight) {
+// (E, N, K * Bits / 8) uint8, unsigned with midpoint 2**(Bits-1) -> signed values, reordered per expert into `out`
+template <int Bits>
+static void reorder_experts(const torch::Tensor& signed_q, torch::Tensor& out, int64_t N, int64_t K) {
+  auto shape_B = cute::make_shape(int(N), int(K), Int<1>{});
+  auto layout_B = make_layout(shape_B, cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(int(N), int(K), 1)));
+  auto layout_R = tile_to_shape(LayoutAtomQuant<Bits>{}, shape_B);
+  const int64_t expert_bytes = N * K * Bits / 8;
+  for (int64_t e = 0; e < signed_q.size(0); ++e) {
+    auto* src = reinterpret_cast<QuantType<Bits> const*>(signed_q.data_ptr<uint8_t>() + e * expert_bytes);
+    auto* dst = reinterpret_cast<QuantType<Bits>*>(out.data_ptr<uint8_t>() + e * expert_bytes);
+    cutlass::reorder_tensor(src, layout_B, dst, layout_R);  // synchronises: load time only
+  }
+}
+
+// (E, N, K * bits / 8) uint8, unsigned with midpoint 2**(bits-1) -> signed int4 / int8, reordered per expert (a new
+// tensor)
+torch::Tensor prepare_weights(torch::Tensor qweight, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, not ", bits);
   TORCH_CHECK(qweight.is_cuda() && qweight.scalar_type() == torch::kUInt8 && qweight.dim() == 3 &&
                   qweight.is_contiguous(),
-              "qweight must be a contiguous (E, N, K/2) uint8 CUDA tensor");
+              "qweight must be a contiguous (E, N, K * bits / 8) uint8 CUDA tensor");
   const c10::cuda::CUDAGuard guard(qweight.device());
-  const int64_t E = qweight.size(0), N = qweight.size(1), K = qweight.size(2) * 2;
+  const int64_t E = qweight.size(0), N = qweight.size(1), K = qweight.size(2) * 8 / bits;
   TORCH_CHECK(N % 128 == 0 && K % kTileK == 0, "N must be a multiple of 128 and K of ", kTileK, " (N=", N,
               ", K=", K, ")");
-  auto signed_q = torch::bitwise_xor(qweight, 0x88);  // q - 8 in each nibble, two's complement
+  // q - 2**(bits-1) in each value, two's complement
+  auto signed_q = torch::bitwise_xor(qweight, bits == 4 ? 0x88 : 0x80);
   auto out = torch::empty_like(signed_q);
   // CUTLASS's reorder_tensor launches on the legacy default stream and exits the process on any CUDA error,
   // a pending one included: finish this stream's work (the XOR above) and raise a pending error here instead
   C10_CUDA_CHECK(cudaStreamSynchronize(at::cuda::getCurrentCUDAStream()));
   C10_CUDA_CHECK(cudaGetLastError());
-  auto shape_B = cute::make_shape(int(N), int(K), Int<1>{});
-  auto layout_B = make_layout(shape_B, cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(int(N), int(K), 1)));
-  auto layout_R = tile_to_shape(LayoutAtomQuant{}, shape_B);
-  for (int64_t e = 0; e < E; ++e) {
-    auto* src = reinterpret_cast<QuantType const*>(signed_q.data_ptr<uint8_t>() + e * N * K / 2);
-    auto* dst = reinterpret_cast<QuantType*>(out.data_ptr<uint8_t>() + e * N * K / 2);
-    cutlass::reorder_tensor(src, layout_B, dst, layout_R);  // synchronises: load time only
-  }
+  if (E > 0) bits == 4 ? reorder_experts<4>(signed_q, out, N, K) : reorder_experts<8>(signed_q, out, N, K);
   return out;
 }
 
 // Per-layer constants: every expert's strides and reordered-weight layout (the same for all experts of a
-// GEMM), both GEMMs' arrays one after the other in one byte buffer, each 256-byte aligned.
+// GEMM; the layout's type by weight bits), both GEMMs' arrays one after the other in one byte buffer, each 256-byte
+// aligned.
+template <int Bits>
 struct GemmConsts {
   StrideA* sa;
   StrideS* ss;
   StrideD* sd;
   StrideC* sc;
-  LayoutB_Reordered* lb;
+  LayoutB_Reordered<Bits>* lb;
 };
 
 template <class T>
@@ -88,36 +104,56 @@ static T* carve(uint8_t*& cursor, int64_t n) {
   return p;
 }
 
-static GemmConsts carve_gemm(uint8_t*& cursor, int64_t E) {
-  GemmConsts c;
+template <int Bits>
+static GemmConsts<Bits> carve_gemm(uint8_t*& cursor, int64_t E) {
+  GemmConsts<Bits> c;
   c.sa = carve<StrideA>(cursor, E);
   c.ss = carve<StrideS>(cursor, E);
   c.sd = carve<StrideD>(cursor, E);
   c.sc = carve<StrideC>(cursor, E);
-  c.lb = carve<LayoutB_Reordered>(cursor, E);
+  c.lb = carve<LayoutB_Reordered<Bits>>(cursor, E);
   return c;
 }
 
-// The layer's constant per-expert arrays for GEMM1 (N1, K1, G1 groups) and GEMM2 (N2, K2, G2), on `device`.
-torch::Tensor layer_constants(int64_t E, int64_t N1, int64_t K1, int64_t N2, int64_t K2, int64_t G1, int64_t G2,
-                              torch::Device device) {
+// a GEMM's arrays untyped, as GroupedArgs takes them
+struct GemmArrays {
+  void *sa, *ss, *sd, *sc, *lb;
+};
+template <int Bits>
+static GemmArrays carve_arrays(uint8_t*& cursor, int64_t E) {
+  const GemmConsts<Bits> c = carve_gemm<Bits>(cursor, E);
+  return {c.sa, c.ss, c.sd, c.sc, c.lb};
+}
+
+template <int Bits>
+static torch::Tensor layer_constants_of(int64_t E, int64_t N1, int64_t K1, int64_t N2, int64_t K2, int64_t G1,
+                                        int64_t G2, torch::Device device) {
   const int64_t bytes = 2 * ((int64_t(sizeof(StrideA)) + sizeof(StrideS) + sizeof(StrideD) + sizeof(StrideC) +
-                              sizeof(LayoutB_Reordered)) * E + 5 * 256);
+                              sizeof(LayoutB_Reordered<Bits>)) * E + 5 * 256);
   std::vector<uint8_t> host(bytes, 0);
   uint8_t* cursor = host.data();
   for (int gemm = 0; gemm < 2; ++gemm) {
     const int N = int(gemm ? N2 : N1), K = int(gemm ? K2 : K1), G = int(gemm ? G2 : G1);
-    GemmConsts c = carve_gemm(cursor, E);
+    GemmConsts<Bits> c = carve_gemm<Bits>(cursor, E);
     for (int64_t e = 0; e < E; ++e) {
       c.sa[e] = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(1, K, 1));
       c.ss[e] = cutlass::make_cute_packed_stride(StrideS{}, cute::make_shape(N, G, 1));
       c.sd[e] = cutlass::make_cute_packed_stride(StrideD{}, cute::make_shape(N, 1, 1));
       c.sc[e] = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(N, 1, 1));
-      c.lb[e] = tile_to_shape(LayoutAtomQuant{}, cute::make_shape(N, K, Int<1>{}));
+      c.lb[e] = tile_to_shape(LayoutAtomQuant<Bits>{}, cute::make_shape(N, K, Int<1>{}));
     }
   }
   TORCH_CHECK(cursor - host.data() <= bytes, "layer_constants: buffer too small");
   return torch::from_blob(host.data(), {bytes}, torch::kUInt8).clone().to(device);
+}
+
+// The layer's constant per-expert arrays for GEMM1 (N1, K1, G1 groups) and GEMM2 (N2, K2, G2) of `bits`-bit
+// weights, on `device`.
+torch::Tensor layer_constants(int64_t E, int64_t N1, int64_t K1, int64_t N2, int64_t K2, int64_t G1, int64_t G2,
+                              int64_t bits, torch::Device device) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, not ", bits);
+  return bits == 4 ? layer_constants_of<4>(E, N1, K1, N2, K2, G1, G2, device)
+                   : layer_constants_of<8>(E, N1, K1, N2, K2, G1, G2, device);
 }
 
 // ------------------------------------------------------------------------------------------ routing and glue
@@ -126,7 +162,7 @@ torch::Tensor layer_constants(int64_t E, int64_t N1, int64_t K1, int64_t N2, int
 using Elem16 = uint16_t;
 
 struct GemmPointers {
-  const QuantType** b;
+  const void** b;  // the weights (int4 or int8)
   const Elem16** a;
   const Elem16** s;
   Elem16** d;
@@ -140,7 +176,7 @@ struct GemmPointers {
 // with id -1 (VLLM_MOE_SKIP_PADDING), and a graph capture's dummy batch is all padding. (Expert parallelism's
 // foreign ids are refused by the caller, not skipped here.)
 __global__ void route_kernel(const int32_t* __restrict__ topk_ids, int pairs, int top_k, int E, int N1, int K1,
-                             int N2, int K2, int G1, int G2, int32_t* __restrict__ pair_row,
+                             int N2, int K2, int G1, int G2, int bits, int32_t* __restrict__ pair_row,
                              int32_t* __restrict__ row_token, const uint8_t* w13, const Elem16* s13,
                              const uint8_t* w2, const Elem16* s2, const Elem16* z13, const Elem16* z2,
                              const Elem16* a1, Elem16* d1, const Elem16* a2, Elem16* d2, GemmPointers g1,
@@ -168,13 +204,13 @@ __global__ void route_kernel(const int32_t* __restrict__ topk_ids, int pairs, in
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     const int64_t off = offset[e];
     g1.problem[e] = UnderlyingProblemShape{N1, count[e], K1};
-    g1.b[e] = reinterpret_cast<const QuantType*>(w13 + int64_t(e) * N1 * K1 / 2);
+    g1.b[e] = w13 + int64_t(e) * N1 * K1 * bits / 8;
     g1.s[e] = s13 + int64_t(e) * G1 * N1;
     g1.z[e] = z13 == nullptr ? nullptr : z13 + int64_t(e) * G1 * N1;
     g1.a[e] = a1 + off * K1;
     g1.d[e] = d1 + off * N1;
     g2.problem[e] = UnderlyingProblemShape{N2, count[e], K2};
-    g2.b[e] = reinterpret_cast<const QuantType*>(w2 + int64_t(e) * N2 * K2 / 2);
+    g2.b[e] = w2 + int64_t(e) * N2 * K2 * bits / 8;
     g2.s[e] = s2 + int64_t(e) * G2 * N2;
     g2.z[e] = z2 == nullptr ? nullptr : z2 + int64_t(e) * G2 * N2;
     g2.a[e] = a2 + off * K2;
@@ -281,40 +317,49 @@ static int sm_count(int device) {
   return counts[device];
 }
 
-template <int TileN, Act A, bool Z>
+template <int TileN, Act A, bool Z, int Bits>
 static void launch_tile(GroupedArgs& g, const torch::Device& device) {
-  if constexpr (tile_is_built(TileN, A, Z)) {
-    const size_t bytes = grouped_workspace_bytes<TileN, A, Z>(g);
+  if constexpr (tile_is_built(TileN, A, Z, Bits)) {
+    const size_t bytes = grouped_workspace_bytes<TileN, A, Z, Bits>(g);
     auto ws = torch::empty({int64_t(bytes) + 1}, torch::TensorOptions().dtype(torch::kUInt8).device(device));
     g.workspace = ws.data_ptr();
-    const char* why = run_grouped<TileN, A, Z>(g);
+    const char* why = run_grouped<TileN, A, Z, Bits>(g);
     TORCH_CHECK(why == nullptr, "grouped GEMM with a ", TileN, "-token tile: ", why);
   } else {
-    TORCH_CHECK(false, "the ", TileN, "-token tile is not built for ", A == Act::kFp16 ? "fp16" : "bf16",
-                Z ? " with zero points" : "", " (hopper_ops.BUILT_TILES)");
+    TORCH_CHECK(false, "the ", TileN, "-token tile is not built for int", Bits, " x ",
+                A == Act::kFp16 ? "fp16" : "bf16", Z ? " with zero points" : "", " (hopper_ops.BUILT_TILES)");
   }
 }
 
-template <Act A, bool Z>
+template <Act A, bool Z, int Bits>
 static void launch(GroupedArgs& g, int tile, const torch::Device& device) {
   switch (tile) {
-    case 32: return launch_tile<32, A, Z>(g, device);
-    case 64: return launch_tile<64, A, Z>(g, device);
-    case 128: return launch_tile<128, A, Z>(g, device);
-    case 256: return launch_tile<256, A, Z>(g, device);
+    case 32: return launch_tile<32, A, Z, Bits>(g, device);
+    case 64: return launch_tile<64, A, Z, Bits>(g, device);
+    case 128: return launch_tile<128, A, Z, Bits>(g, device);
+    case 256: return launch_tile<256, A, Z, Bits>(g, device);
     default: TORCH_CHECK(false, "tile ", tile, " is not one of 32, 64, 128, 256");
   }
 }
 
-// The layer: x (M, H) bf16, topk_ids (M, top_k) int32, topk_w (M, top_k) float32; w13 / w2 prepared
-// (prepare_weights), s13 (E, G1, 2I) / s2 (E, G2, H) in x's type (bf16 or fp16), z13 / z2 the zero tables shaped
+template <Act A>
+static void launch(GroupedArgs& g, bool zero, int bits, int tile, const torch::Device& device) {
+  if (bits == 8) {
+    zero ? launch<A, true, 8>(g, tile, device) : launch<A, false, 8>(g, tile, device);
+  } else {
+    zero ? launch<A, true, 4>(g, tile, device) : launch<A, false, 4>(g, tile, device);
+  }
+}
+
+// The layer: x (M, H) bf16 or fp16, topk_ids (M, top_k) int32, topk_w (M, top_k) float32; w13 / w2 prepared
+// (prepare_weights, `bits`-bit), s13 (E, G1, 2I) / s2 (E, G2, H) in x's type (bf16 or fp16), z13 / z2 the zero tables shaped
 // as the scales (None: symmetric), consts (layer_constants). tile1 / tile2: each
 // GEMM's token-tile width. stages < 6 stops after that many of route (1), gather (2), GEMM1 (3), activation
 // (4), GEMM2 (5) and returns an empty output: a time breakdown by differences.
 torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_w, torch::Tensor w13,
                           torch::Tensor s13, torch::Tensor w2, torch::Tensor s2, std::optional<torch::Tensor> z13,
-                          std::optional<torch::Tensor> z2, torch::Tensor consts, int64_t group1, int64_t group2,
-                          int64_t tile1, int64_t tile2, int64_t stages) {
+                          std::optional<torch::Tensor> z2, torch::Tensor consts, int64_t bits, int64_t group1,
+                          int64_t group2, int64_t tile1, int64_t tile2, int64_t stages) {
   const c10::cuda::CUDAGuard guard(x.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto dtype = x.scalar_type();
@@ -324,9 +369,10 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
   TORCH_CHECK(topk_ids.scalar_type() == torch::kInt32 && topk_ids.is_contiguous(), "topk_ids must be contiguous int32");
   TORCH_CHECK(topk_w.scalar_type() == torch::kFloat32 && topk_w.is_contiguous(), "topk_w must be contiguous float32");
   const int64_t M = x.size(0), H = x.size(1), top_k = topk_ids.size(1), pairs = M * top_k;
-  const int64_t E = w13.size(0), N1 = w13.size(1), I = N1 / 2, N2 = w2.size(1), K2 = w2.size(2) * 2;
-  TORCH_CHECK(w13.size(2) * 2 == H && N2 == H && K2 == I && w2.size(0) == E,
-              "w13 must be (E, 2I, H/2) and w2 (E, H, I/2) for x (M, H)");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, not ", bits);
+  const int64_t E = w13.size(0), N1 = w13.size(1), I = N1 / 2, N2 = w2.size(1), K2 = w2.size(2) * 8 / bits;
+  TORCH_CHECK(w13.size(2) * 8 / bits == H && N2 == H && K2 == I && w2.size(0) == E,
+              "w13 must be (E, 2I, H * bits / 8) and w2 (E, H, I * bits / 8) for x (M, H) and ", bits, "-bit weights");
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == M && topk_w.sizes() == topk_ids.sizes(),
               "topk_ids and topk_w must be (M, top_k)");
   TORCH_CHECK(s13.scalar_type() == dtype && s2.scalar_type() == dtype && s13.dim() == 3 && s2.dim() == 3 &&
@@ -359,7 +405,7 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
   auto* pr = reinterpret_cast<UnderlyingProblemShape*>(problems.data_ptr<int32_t>());
   GemmPointers g[2];
   for (int i = 0; i < 2; ++i) {
-    g[i].b = reinterpret_cast<const QuantType**>(p64 + (i * 5 + 0) * E);
+    g[i].b = reinterpret_cast<const void**>(p64 + (i * 5 + 0) * E);
     g[i].a = reinterpret_cast<const Elem16**>(p64 + (i * 5 + 1) * E);
     g[i].s = reinterpret_cast<const Elem16**>(p64 + (i * 5 + 2) * E);
     g[i].d = reinterpret_cast<Elem16**>(p64 + (i * 5 + 3) * E);
@@ -368,7 +414,7 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
   }
   route_kernel<<<1, 1024, (2 * E + 1) * sizeof(int32_t), stream>>>(
       topk_ids.data_ptr<int32_t>(), int(pairs), int(top_k), int(E), int(N1), int(H), int(N2), int(K2), int(G1),
-      int(G2), pair_row.data_ptr<int32_t>(), row_token.data_ptr<int32_t>(), w13.data_ptr<uint8_t>(),
+      int(G2), int(bits), pair_row.data_ptr<int32_t>(), row_token.data_ptr<int32_t>(), w13.data_ptr<uint8_t>(),
       reinterpret_cast<const Elem16*>(s13.data_ptr()), w2.data_ptr<uint8_t>(),
       reinterpret_cast<const Elem16*>(s2.data_ptr()),
       zero ? reinterpret_cast<const Elem16*>(z13->data_ptr()) : nullptr,
@@ -383,9 +429,8 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (stages < 3) return out;
   uint8_t* cursor = consts.data_ptr<uint8_t>();
-  GemmConsts c[2];
-  c[0] = carve_gemm(cursor, E);
-  c[1] = carve_gemm(cursor, E);
+  GemmArrays c[2];  // the layouts' type (and so the arrays' offsets) depends on the bits
+  for (auto& gemm : c) gemm = bits == 8 ? carve_arrays<8>(cursor, E) : carve_arrays<4>(cursor, E);
   const int group_size[2] = {int(group1), int(group2)};
   const int64_t tiles[2] = {tile1, tile2};
   for (int i = 0; i < 2; ++i) {
@@ -420,9 +465,9 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
     args.z = reinterpret_cast<const void**>(g[i].z);
     const int tile = int(tiles[i]);
     if (fp16) {
-      zero ? launch<Act::kFp16, true>(args, tile, x.device()) : launch<Act::kFp16, false>(args, tile, x.device());
+      launch<Act::kFp16>(args, zero, int(bits), tile, x.device());
     } else {
-      zero ? launch<Act::kBf16, true>(args, tile, x.device()) : launch<Act::kBf16, false>(args, tile, x.device());
+      launch<Act::kBf16>(args, zero, int(bits), tile, x.device());
     }
   }
   if (stages < 6) return out;
@@ -442,7 +487,7 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
 }  // namespace wna16_hopper
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("prepare_weights", &wna16_hopper::prepare_weights, "signed, reordered int4 weights (E, N, K/2)");
+  m.def("prepare_weights", &wna16_hopper::prepare_weights, "signed, reordered int4 / int8 weights (E, N, K * bits / 8)");
   m.def("layer_constants", &wna16_hopper::layer_constants, "per-expert strides and layouts of both GEMMs");
   m.def("moe_forward", &wna16_hopper::moe_forward, "the routed-experts layer (stages < 6: a prefix of it)");
 }

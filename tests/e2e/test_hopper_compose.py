@@ -5,7 +5,8 @@ the long prompts is the hopper rule's (backends/hopper.py), the 5-sequence decod
 plugin's other kernels. The vLLM partners are turned off (VLLM_WNA16_PLUS_HUMMING=0, VLLM_WNA16_PLUS_MARLIN=0) so
 that the hopper kernel takes those batches on any vLLM. The layer must log the hopper copy and generate like the
 float32 reference backend; VLLM_WNA16_PLUS_HOPPER=0 must leave the copy out and generate alike, and
-VLLM_WNA16_PLUS_BACKEND=hopper (every batch on the hopper kernel, decode graphs included) too.
+VLLM_WNA16_PLUS_BACKEND=hopper (every batch on the hopper kernel, decode graphs included) too. AWQ (zero points),
+float16 and symmetric int8 (named only: auto's rule is not yet timed on int8) checkpoints run their builds.
 """
 
 from __future__ import annotations
@@ -125,3 +126,26 @@ def test_auto_with_the_hopper_copy_of_an_awq_checkpoint_generates_like_the_refer
 def test_auto_with_the_hopper_copy_in_float16_generates_like_the_reference(checkpoint, tmp_path_factory):
     """The same checkpoint run with --dtype float16: the hopper kernel's fp16 build takes the prefill."""
     _auto_with_the_copy_generates_like_the_reference(checkpoint, tmp_path_factory, "float16", dtype="float16")
+
+
+@pytest.fixture(scope="module")
+def int8_checkpoint(checkpoint):
+    """A symmetric int8 GPTQ checkpoint of the same dimensions: the hopper kernel's int8 build."""
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    return make_checkpoint(checkpoint.parent / "gptq8-e8-h2048", fmt="gptq", bits=8, group_size=128,
+                           hidden=2048, intermediate=2048, experts=8, top_k=2, layers=2)  # fmt: skip
+
+
+def test_the_hopper_backend_on_an_int8_checkpoint_generates_like_the_reference(int8_checkpoint, tmp_path_factory):
+    """int8 is in the kernel's scope but not yet in auto's rule (backends/hopper.hopper_rule_gap): named
+    (VLLM_WNA16_PLUS_BACKEND=hopper), every batch, decode graphs included, runs the int8 build."""
+    prompts = [*PROMPTS, *long_prompts(int8_checkpoint)]
+    runs = {"ref": dict(backend="reference", eager=True), "hopper": dict(backend="hopper", env=NO_PARTNER)}
+    dirs = {tag: tmp_path_factory.mktemp(f"{tag}-int8") for tag in runs}
+    for tag, kwargs in runs.items():
+        start_llm(int8_checkpoint, dirs[tag], prompts=prompts, **kwargs)
+    ref = run_llm(int8_checkpoint, dirs["ref"], prompts=prompts, **runs["ref"]).require_ok("reference, int8")
+    named = run_llm(int8_checkpoint, dirs["hopper"], prompts=prompts, **runs["hopper"]).require_ok("hopper, int8")
+    assert HOPPER_RAN in named.log, named.log[-3000:]
+    assert_generates_like(named, ref, "VLLM_WNA16_PLUS_BACKEND=hopper on int8")

@@ -1,6 +1,6 @@
 """The hopper backend (CUTLASS's sm90 grouped GEMM, kernels/hopper_ops.py) against the float reference on an sm90
-GPU with the extension built (skipped elsewhere): every built token tile in bf16 and fp16, symmetric and with zero
-points, group sizes 64 / 128 and channel-wise, experts with no rows, M from 1 to prefill, vLLM's padding rows,
+GPU with the extension built (skipped elsewhere): every built token tile in bf16 and fp16, int4 symmetric and with
+zero points and symmetric int8, group sizes 64 / 128 and channel-wise, experts with no rows, M from 1 to prefill, vLLM's padding rows,
 CUDA-graph capture and replay on new inputs, auto's plan handing it the batches its rule takes, and
 compute-sanitizer memcheck / racecheck of its kernels."""
 
@@ -95,18 +95,37 @@ def test_hopper_zero_points_match_reference(H, I, E, top_k, gs, gs2, M, dtype): 
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
+@pytest.mark.parametrize("M", [1, 64, 1100])
+@pytest.mark.parametrize("H, I, E, top_k, gs, gs2", CASES)
+def test_hopper_int8_matches_reference(H, I, E, top_k, gs, gs2, M, dtype):  # noqa: E741
+    """The int8 builds (grouped_tile_<N>[_fp16]_int8.cu: CUTLASS's int8_t, weights made signed by XOR 0x80 and
+    reordered for its [0,2,1,3] conversion)."""
+    p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=8, gs1=gs, gs2=gs2, dtype=dtype, seed=M + 3 * E)
+    args, kw = _cuda(p)
+    ref = fused_moe_wna16_ref(*args, **kw).cpu()
+    out = fused_moe_wna16(*args, group_size=gs if gs == gs2 else (gs, gs2), backend="hopper", **kw)
+    torch.cuda.synchronize()
+    assert_close_scaled(out.cpu(), ref, dtype, f"hopper int8 {dtype} M={M}")
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    ("zp", "bits"), [(False, 4), (True, 4), (False, 8), (True, 8)], ids=["sym", "zp", "int8", "int8zp"]
+)
 @pytest.mark.parametrize("tile", [32, 64, 128, 256])
-def test_every_token_tile_matches_reference(tile, zp, dtype):
-    """Every built (tile, dtype, zero points) triple (hopper_ops.BUILT_TILES); the others refuse with the reason."""
+def test_every_token_tile_matches_reference(tile, zp, bits, dtype):
+    """Every built (tile, dtype, zero points, bits) build (hopper_ops.BUILT_TILES); the others refuse with the reason
+    (int8 with zero points: every tile)."""
     from vllm_wna16_plugin.kernels import hopper_ops
 
-    p = make_moe_problem(M=200, H=1024, I=512, E=8, top_k=2, bits=4, gs1=128, zp=zp, dtype=dtype, seed=tile)
+    p = make_moe_problem(M=200, H=1024, I=512, E=8, top_k=2, bits=bits, gs1=128, zp=zp, dtype=dtype, seed=tile)
     args, kw = _cuda(p)
     x, w13, w2, s13, s2, topk_w, topk_ids = args
-    state = hopper_ops.prepare(w13, w2, s13, s2, 128, 128, w13_qzeros=kw["w13_qzeros"], w2_qzeros=kw["w2_qzeros"])
+    state = hopper_ops.prepare(
+        w13, w2, s13, s2, 128, 128, w13_qzeros=kw["w13_qzeros"], w2_qzeros=kw["w2_qzeros"], bits=bits
+    )
     launch = hopper_ops.HopperLaunch(tile)
-    if tile not in hopper_ops.built_tiles(dtype, zp):
+    if tile not in hopper_ops.built_tiles(dtype, zp, bits):
         with pytest.raises(RuntimeError, match=f"the {tile}-token tile is not built"):
             hopper_ops.fused_moe_hopper(x, state, topk_w, topk_ids, launch)
         return
@@ -231,6 +250,11 @@ SANITIZED = textwrap.dedent(
     x, w13, w2, s13, s2, w, ids = [t.cuda() for t in z.args()]
     state = hopper_ops.prepare(w13, w2, s13, s2, 128, 128, w13_qzeros=z.w13.qzeros.cuda(), w2_qzeros=z.w2.qzeros.cuda())
     hopper_ops.fused_moe_hopper(x, state, w, ids, hopper_ops.HopperLaunch(128))
+    q = make_moe_problem(M=40, H=1024, I=256, E=8, top_k=2, bits=8, gs1=128, seed=3)
+    x, w13, w2, s13, s2, w, ids = [t.cuda() for t in q.args()]
+    ids[:2] = -1
+    state = hopper_ops.prepare(w13, w2, s13, s2, 128, 128, bits=8)
+    hopper_ops.fused_moe_hopper(x, state, w, ids, hopper_ops.HopperLaunch(256))
     torch.cuda.synchronize()
     """
 )

@@ -74,14 +74,17 @@ def test_scope_takes_a_real_models_layer():
     assert hopper_scope(_problem(scheme=awq), SM90) is None  # zero points: the zero-point build
     assert hopper_scope(_problem(scheme=awq, act_dtype=torch.float16), SM90) is None
     assert hopper_scope(_problem(E=128, top_k=8, H=2048, I=768, gs=64), SM90) is None
+    int8 = WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ)
+    assert hopper_scope(_problem(scheme=int8), SM90) is None  # symmetric int8: the int8 build
+    assert hopper_scope(_problem(scheme=int8, act_dtype=torch.float16), SM90) is None
 
 
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
         (
-            dict(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ)),
-            "int4 only",
+            dict(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=True, pack_format=PackFormat.GPTQ)),
+            "int8 with zero points is not",
         ),
         (dict(has_g_idx=True), "act order"),
         (dict(act_dtype=torch.float32), "bfloat16 or float16"),
@@ -113,6 +116,16 @@ def test_rule_takes_batches_from_its_rows_per_expert():
     assert not hopper_takes(_problem(gs=32), 4096, SM90)  # out of scope: never
 
 
+def test_auto_hands_int8_no_batch_until_its_rule_is_timed():
+    """int8 is in the kernel's scope (an explicit request runs it) but outside the rule's fitted bits: auto takes
+    none of its batches and so holds no hopper copy of an int8 layer."""
+    int8 = _problem(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ))
+    assert hopper_scope(int8, SM90) is None
+    assert not any(hopper_takes(int8, m, SM90) for m in (256, 1024, 4096, 16384))
+    explicit = dataclasses.replace(int8, options=RunOptions(plan_only=True, explicit=True))
+    assert HopperBackend().incompatibility_reason(explicit) is None
+
+
 def test_copy_is_one_more_set_of_the_experts_int4_weights_and_scales_in_groups_of_64():
     p = _problem(gs=64)
     assert hopper_copy_bytes(p) == int(p.num_experts * expert_bytes(p))
@@ -129,28 +142,32 @@ def test_a_zero_point_copy_adds_its_zero_tables():
 
 
 def test_the_built_tile_table_is_the_translation_units_there_are():
-    """BUILT_TILES (what the plan may launch) against csrc/hopper/grouped_tile_<N>[_fp16][_zp].cu (what setup.py
-    builds): one unit per entry, none missing, none extra."""
-    files = sorted((Path(__file__).resolve().parents[2] / "csrc" / "hopper").glob("grouped_tile_*.cu"))
+    """BUILT_TILES (what the plan may launch) against csrc/hopper/grouped_tile_<N>[_fp16][_zp][_int8].cu (what
+    setup.py builds) and the glue's extern declarations (moe_w4a16_grouped.cu): one unit per entry, none missing, none
+    extra."""
+    hopper = Path(__file__).resolve().parents[2] / "csrc" / "hopper"
+    glue = (hopper / "moe_w4a16_grouped.cu").read_text()
     built = set()
-    for f in files:
+    for f in sorted(hopper.glob("grouped_tile_*.cu")):
         parts = f.stem.removeprefix("grouped_tile_").split("_")
         dtype = torch.float16 if "fp16" in parts else torch.bfloat16
-        built.add((int(parts[0]), dtype, "zp" in parts))
-        text = f.read_text()
-        macro = f"WNA16_HOPPER_INSTANTIATE({parts[0]}, {'kFp16' if 'fp16' in parts else 'kBf16'}, {str('zp' in parts).lower()})"
-        assert macro in text, f"{f.name} does not instantiate what its name says ({macro})"
-    table = {(t, dtype, zp) for (dtype, zp), tiles in BUILT_TILES.items() for t in tiles}
+        bits = 8 if "int8" in parts else 4
+        built.add((int(parts[0]), dtype, "zp" in parts, bits))
+        args = f"{parts[0]}, {'kFp16' if 'fp16' in parts else 'kBf16'}, {str('zp' in parts).lower()}, {bits}"
+        assert f"WNA16_HOPPER_INSTANTIATE({args})" in f.read_text(), f"{f.name} does not instantiate what its name says"
+        assert f"WNA16_HOPPER_EXTERN({args})" in glue, f"moe_w4a16_grouped.cu does not declare {f.name}'s build"
+    table = {(t, dtype, zp, bits) for (dtype, zp, bits), tiles in BUILT_TILES.items() for t in tiles}
     assert built == table
-    assert all(t in TILE_WIDTHS for t, _, _ in table)
+    assert glue.count("WNA16_HOPPER_EXTERN(") == len(table) + 1  # the declarations and the macro's definition
+    assert all(t in TILE_WIDTHS for t, *_ in table)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("zp", [False, True], ids=["sym", "zp"])
-def test_every_tile_a_plan_picks_is_built(dtype, zp):
+@pytest.mark.parametrize(("zp", "bits"), [(False, 4), (True, 4), (False, 8)], ids=["sym", "zp", "int8"])
+def test_every_tile_a_plan_picks_is_built(dtype, zp, bits):
     """Explicit hopper (every M) and auto with the copy, for each build: the plan's tile is one BUILT_TILES has."""
     scheme = WNA16Scheme(
-        bits=4, group_size=128, has_zero_point=zp, pack_format=PackFormat.AWQ if zp else PackFormat.GPTQ
+        bits=bits, group_size=128, has_zero_point=zp, pack_format=PackFormat.AWQ if zp else PackFormat.GPTQ
     )
     for dims in ((8, 2, 4096, 3584), (128, 8, 2048, 768), (64, 6, 2560, 384)):
         E, top_k, H, I = dims  # noqa: N806, E741
@@ -158,27 +175,29 @@ def test_every_tile_a_plan_picks_is_built(dtype, zp):
         selection = select_backend(problem, "hopper", "test")
         for m in (1, 2, 7, 16, 33, 64, 100, 256, 1000, 4096, 16384):
             p = plan(problem, m, SM90, selection=selection)
-            assert p.launch.tile in built_tiles(dtype, zp), (dims, m, p.launch.tile)
+            assert p.launch.tile in built_tiles(dtype, zp, bits), (dims, m, p.launch.tile)
 
 
-def test_zero_tables_give_the_zero_point_weights():
-    """s * q' + z' with the signed q' = q - 8 and kernel_zeros' z' = (8 - z) * s is the zero-point weight (q - z) * s
-    (packing.dequantize), up to the tables' one rounding to bf16."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_zero_tables_give_the_zero_point_weights(bits):
+    """s * q' + z' with the signed q' = q - c (c = 2**(bits-1)) and kernel_zeros' z' = (c - z) * s is the zero-point
+    weight (q - z) * s (packing.dequantize), up to the tables' one rounding to bf16."""
     from vllm_wna16_plugin import packing
     from vllm_wna16_plugin.kernels.hopper_ops import KERNEL_GROUP, kernel_scales, kernel_zeros
 
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(3, 256, 512, generator=gen)
-    qw = packing.quantize_rtn(w, 4, 128, has_zero_point=True)
+    qw = packing.quantize_rtn(w, bits, 128, has_zero_point=True)
     kw = packing.to_kernel_layout(qw, torch.bfloat16)
     s = kernel_scales(kw.scales, 128).float()  # (E, K/64, N)
-    z = kernel_zeros(kw.qzeros, kw.scales, 128).float()
+    z = kernel_zeros(kw.qzeros, kw.scales, 128, bits=bits).float()
     assert z.shape == s.shape and z.dtype == torch.float32
-    q = qw.q.float() - 8  # (E, N, K), signed
+    c = 1 << (bits - 1)
+    q = qw.q.float() - c  # (E, N, K), signed
     tile = torch.arange(512) // KERNEL_GROUP
     got = s[:, tile, :].transpose(1, 2) * q + z[:, tile, :].transpose(1, 2)
-    want = packing.dequantize(packing.from_kernel_layout(kw, 4))
-    assert (got - want).abs().max() <= 8 * kw.scales.float().abs().max() * 2**-8
+    want = packing.dequantize(packing.from_kernel_layout(kw, bits))
+    assert (got - want).abs().max() <= c * kw.scales.float().abs().max() * 2**-8
 
 
 @pytest.mark.parametrize("group", [64, 128, 256, 4096])
@@ -240,11 +259,10 @@ def test_hopper_goes_before_marlin_and_after_humming(partner):
 
 
 def test_hopper_is_not_composed_where_out_of_scope_or_asked_for_another_backend():
-    assert "int4 only" in compose.hopper_composable(
-        select_backend(
-            _problem(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ))
-        )
-    )
+    int8 = WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ)
+    assert "not yet timed" in compose.hopper_composable(select_backend(_problem(scheme=int8)))
+    int8_zp = dataclasses.replace(int8, has_zero_point=True)
+    assert "not built" in compose.hopper_composable(select_backend(_problem(scheme=int8_zp)))
     assert "as asked" in compose.hopper_composable(select_backend(_problem(), "triton", "test"))
 
 

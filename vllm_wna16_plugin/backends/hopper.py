@@ -2,9 +2,9 @@
 tiles; kernels/hopper_ops.py) for batches whose experts take tens of rows or more, up to prefill.
 
 Its rules: sm90 (the extension is built for sm90a only, where setup.py finds CUTLASS's headers), bfloat16 or
-float16 activations, int4 weights, symmetric or with zero points, in groups of a multiple of 64 or channel-wise, K (hidden, intermediate) a
-multiple of 64 and N (2 x intermediate, hidden) of 128, silu, no act order, no expert parallelism, the router's
-weights applied after the down projection. It holds its own copy of the experts (signed, reordered for the
+float16 activations, int4 weights (symmetric or with zero points) or symmetric int8, in groups of a multiple of 64 or
+channel-wise, K (hidden, intermediate) a multiple of 64 and N (2 x intermediate, hidden) of 128, silu, no act order,
+no expert parallelism, the router's weights applied after the down projection. It holds its own copy of the experts (signed, reordered for the
 wgmma fragment: hopper_copy_bytes).
 
 `auto` never runs it alone: a layer on the plugin's kernels (cuda / triton) also holds the hopper copy, when
@@ -48,25 +48,32 @@ ENV_COMPOSE = "VLLM_WNA16_PLUS_HOPPER"  # auto (default): hold the hopper copy w
 # models at prefill (Qwen3-235B M=4096: 893 / 1036), so a layer composed with Humming hands Humming its batches
 # first; one composed with Marlin asks hopper first (HOPPER_BEFORE).
 HOPPER_MIN_ROWS = 64.0  # rows per hit expert (base.pairs_per_expert) from which hopper's tiles win
+# the weight bits the rule was fitted on: int8 layers (built since 2026-12-06, not yet timed) run hopper only where
+# named (VLLM_WNA16_PLUS_BACKEND=hopper), and auto holds no copy of them
+HOPPER_RULE_BITS = (4,)
 HOPPER_BEFORE = (None, "marlin")  # the partners (None: no partner) whose rule hopper's goes before
 HOPPER_RULE_SOURCE = "hopper rule (backends/hopper.py; H100 dev set 2026-12-06-d23a13c-hopper-dev)"
 
 
 def hopper_scope(problem: MoEProblem, device=None) -> str | None:
     """Why the hopper kernel cannot run this layer (on `device`, default the layer's), or None when it can: what
-    the extension is built for (sm90a, bf16 / fp16, int4 with or without zero points, K tile 64, weight tile 128
-    rows) and the layer
-    forms its launcher takes. Never raises."""
+    the extension is built for (sm90a; bf16 / fp16; int4 with or without zero points, symmetric int8: hopper_ops.
+    BUILT_TILES; K tile 64, weight tile 128 rows) and the layer forms its launcher takes. Never raises."""
     device = device or layer_device(problem)
     if device.platform != "cuda" or device.sm != 90:
         return f"built for sm90 only (device is {device.platform} sm{device.sm})"
+    from vllm_wna16_plugin.kernels.hopper_ops import built_tiles
+
     scheme = problem.scheme
-    if scheme.bits != 4:
-        return f"int4 only (the layer is {scheme.describe()})"
     if problem.has_g_idx:
         return "act order (desc_act) is not supported by the hopper kernel"
     if problem.act_dtype not in (torch.bfloat16, torch.float16):
         return f"bfloat16 or float16 activations only (the layer's are {str(problem.act_dtype).removeprefix('torch.')})"
+    if not built_tiles(problem.act_dtype, scheme.has_zero_point, scheme.bits):
+        return (
+            f"{scheme.describe()}: not built (int4, symmetric or with zero points, and symmetric int8: "
+            "int8 with zero points is not; hopper_ops.BUILT_TILES)"
+        )
     if problem.activation != "silu":
         return f"activation {problem.activation!r}: the hopper kernel fuses silu only"
     if problem.use_ep or problem.global_num_experts != problem.num_experts:
@@ -85,24 +92,36 @@ def hopper_scope(problem: MoEProblem, device=None) -> str | None:
     return None
 
 
+def hopper_rule_gap(problem: MoEProblem) -> str | None:
+    """Why auto's rule does not judge this layer (weights of bits it was not fitted on: HOPPER_RULE_BITS), or None."""
+    bits = problem.scheme.bits
+    if bits not in HOPPER_RULE_BITS:
+        return (
+            f"int{bits}: the hopper rule is fitted on int{'/int'.join(map(str, HOPPER_RULE_BITS))} layers only "
+            f"(int{bits} not yet timed; VLLM_WNA16_PLUS_BACKEND=hopper runs it)"
+        )
+    return None
+
+
 def hopper_takes(problem: MoEProblem, m: int, device) -> bool:
     """Whether auto runs `m` tokens of this layer on hopper: rows per hit expert (base.pairs_per_expert) of at
-    least HOPPER_MIN_ROWS, where the kernel's scope (hopper_scope) holds."""
-    if hopper_scope(problem, device):
+    least HOPPER_MIN_ROWS, where the kernel's scope (hopper_scope) holds and the rule was fitted (hopper_rule_gap)."""
+    if hopper_rule_gap(problem) or hopper_scope(problem, device):
         return False
     return pairs_per_expert(problem, m) >= HOPPER_MIN_ROWS
 
 
 def hopper_tile(problem: MoEProblem, rows_per_expert: float) -> int:
     """The token tile of a batch whose experts take `rows_per_expert` rows: hopper_ops.token_tile over the widths
-    built for the layer's activation dtype and zero points (hopper_ops.BUILT_TILES)."""
+    built for the layer's activation dtype, zero points and bits (hopper_ops.BUILT_TILES)."""
     from vllm_wna16_plugin.kernels.hopper_ops import built_tiles, token_tile
 
-    return token_tile(rows_per_expert, built_tiles(problem.act_dtype, problem.scheme.has_zero_point))
+    scheme = problem.scheme
+    return token_tile(rows_per_expert, built_tiles(problem.act_dtype, scheme.has_zero_point, scheme.bits))
 
 
 def hopper_copy_bytes(problem: MoEProblem) -> int:
-    """Bytes of the hopper copy of a layer: both GEMMs' int4 weights and 16-bit scales of every local expert, the
+    """Bytes of the hopper copy of a layer: both GEMMs' int4 / int8 weights and 16-bit scales of every local expert, the
     scales in groups of hopper_ops.KERNEL_GROUP, and as many bytes of zero tables where the layer has zero points."""
     from vllm_wna16_plugin.kernels.hopper_ops import KERNEL_GROUP
 
@@ -116,7 +135,8 @@ class HopperBackend(Backend):
     name = "hopper"
     _ran = False  # whether this process logged FIRST_RUN
     description = (
-        "plugin sm90 grouped GEMM (csrc/hopper/, CUTLASS: TMA + wgmma, warp-specialised): int4 (zero points too), bf16 / fp16, "
+        "plugin sm90 grouped GEMM (csrc/hopper/, CUTLASS: TMA + wgmma, warp-specialised): int4 (zero points too) and int8, "
+        "bf16 / fp16, "
         "for tens of rows per expert up to prefill"
     )
 
@@ -138,7 +158,7 @@ class HopperBackend(Backend):
 
         return hopper_ops.prepare(
             *tensors.weights(), problem.group_size_w13, problem.group_size_w2, w13_qzeros=tensors.w13_qzeros,
-            w2_qzeros=tensors.w2_qzeros, dtype=problem.act_dtype,
+            w2_qzeros=tensors.w2_qzeros, dtype=problem.act_dtype, bits=problem.scheme.bits,
         )  # fmt: skip
 
     def run(self, problem: MoEProblem, state, x, topk_weights, topk_ids, *, expert_map=None, plan=None):

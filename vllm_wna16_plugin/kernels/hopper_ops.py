@@ -1,9 +1,11 @@
-"""The `hopper` backend's launcher: the routed-experts layer on CUTLASS's sm90 grouped int4 x bf16 (or fp16) GEMM
+"""The `hopper` backend's launcher: the routed-experts layer on CUTLASS's sm90 grouped int4 / int8 x bf16 / fp16 GEMM
 (csrc/hopper/, built by setup.py as vllm_wna16_plugin._hopper where CUTLASS's headers are found):
 
     route -> gather x into expert order -> grouped GEMM1 -> silu(gate) * up -> grouped GEMM2 -> weighted sum
 
-    D_e[j, n] = sum_k A_e[j, k] * s_e[k // g, n] * (q_e[n, k] - 8)      per expert e, for its rows j
+    D_e[j, n] = sum_k A_e[j, k] * s_e[k // g, n] * (q_e[n, k] - z)      per expert e, for its rows j
+
+(z = 2**(bits-1) where symmetric, else the checkpoint's zero point of the group)
 
 TMA loads, wgmma, one producer and two consumer warp groups, a persistent schedule over every expert's tiles
 (docs/perf/hopper-path.md). The weights are the MMA's M side (128 rows a tile), the routed rows its N side: the
@@ -21,14 +23,17 @@ import torch
 
 # the token-tile widths there are (csrc/hopper/grouped_gemm.h)
 TILE_WIDTHS = (32, 64, 128, 256)
-# the widths built for each (activation dtype, zero points): one translation unit each (grouped_tile_<N>[_fp16][_zp]
-# .cu; grouped_gemm.h's tile_is_built says the same): every width for symmetric bf16, the two auto's rule runs (64+
-# rows per hit expert: 128 and 256, token_tile) for fp16 and zero points, which keeps the build at ten units
+# the widths built for each (activation dtype, zero points, weight bits): one translation unit each
+# (grouped_tile_<N>[_fp16][_zp][_int8].cu; grouped_gemm.h's tile_is_built says the same): every width for symmetric
+# int4 bf16, the two auto's rule runs (64+ rows per hit expert: 128 and 256, token_tile) for fp16, for zero points
+# and for symmetric int8, which keeps the build at fourteen units; int8 with zero points is not built
 BUILT_TILES = {
-    (torch.bfloat16, False): TILE_WIDTHS,
-    (torch.float16, False): (128, 256),
-    (torch.bfloat16, True): (128, 256),
-    (torch.float16, True): (128, 256),
+    (torch.bfloat16, False, 4): TILE_WIDTHS,
+    (torch.float16, False, 4): (128, 256),
+    (torch.bfloat16, True, 4): (128, 256),
+    (torch.float16, True, 4): (128, 256),
+    (torch.bfloat16, False, 8): (128, 256),
+    (torch.float16, False, 8): (128, 256),
 }
 # every K (H for GEMM1, I for GEMM2) and group size is a multiple of the K tile (64 bf16: one 128-byte row), and
 # every N (2I, H) of the weight tile's 128 rows
@@ -38,7 +43,7 @@ N_TILE = 128
 
 def token_tile(rows_per_expert: float, widths: tuple[int, ...] = TILE_WIDTHS) -> int:
     """The token-tile width for experts taking `rows_per_expert` routed rows on average, of the built `widths`
-    (BUILT_TILES: a layer's dtype and zero points):
+    (BUILT_TILES: a layer's dtype, zero points and bits):
 
         tile = the narrowest of the widths below 256 holding 2 * rows (an expert's rows vary around the mean; the
                widest of them when none does), and 256 from 512 rows (a whole 128 x 256 tile of wgmma per weight
@@ -54,9 +59,10 @@ def token_tile(rows_per_expert: float, widths: tuple[int, ...] = TILE_WIDTHS) ->
     return next((t for t in narrow if t >= 2 * rows_per_expert), narrow[-1])
 
 
-def built_tiles(dtype: torch.dtype, zero_points: bool) -> tuple[int, ...]:
-    """The token-tile widths built for a layer of this activation dtype (bf16, fp16) and zero points."""
-    return BUILT_TILES[(dtype, bool(zero_points))]
+def built_tiles(dtype: torch.dtype, zero_points: bool, bits: int = 4) -> tuple[int, ...]:
+    """The token-tile widths built for a layer of this activation dtype (bf16, fp16), zero points and weight bits;
+    () where none is."""
+    return BUILT_TILES.get((dtype, bool(zero_points), int(bits)), ())
 
 
 @dataclass(frozen=True)
@@ -68,9 +74,9 @@ class HopperLaunch:
 
 @dataclass
 class HopperState:
-    """A layer's copy for the hopper kernel: w13 (E, 2I, H/2) and w2 (E, H, I/2) signed and reordered
-    (prepare_weights), scales (E, K / KERNEL_GROUP, N) contiguous in the activation dtype (kernel_scales), the
-    per-expert strides and layouts of both GEMMs (consts), and the kernel's group sizes (KERNEL_GROUP)."""
+    """A layer's copy for the hopper kernel: w13 (E, 2I, H * bits / 8) and w2 (E, H, I * bits / 8) signed and
+    reordered (prepare_weights), scales (E, K / KERNEL_GROUP, N) contiguous in the activation dtype (kernel_scales),
+    the per-expert strides and layouts of both GEMMs (consts), and the kernel's group sizes (KERNEL_GROUP)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -81,6 +87,7 @@ class HopperState:
     group_w2: int
     z13: torch.Tensor | None = None  # zero tables (kernel_zeros), shaped as s13 / s2; None: symmetric
     z2: torch.Tensor | None = None
+    bits: int = 4
 
 
 @functools.lru_cache(maxsize=1)
@@ -127,18 +134,19 @@ def kernel_scales(scales: torch.Tensor, group_size: int, kernel_group: int = KER
 
 
 def kernel_zeros(
-    qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, kernel_group: int = KERNEL_GROUP
+    qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, kernel_group: int = KERNEL_GROUP, bits: int = 4
 ) -> torch.Tensor:
-    """The kernel's zero table of int4 zero points z (the plugin's (E, N/2, G) uint8, packed along N) and their
-    scales s (E, N, G):
+    """The kernel's zero table of `bits`-bit zero points z (the plugin's (E, N * bits / 8, G) uint8, packed along N)
+    and their scales s (E, N, G), with the midpoint c = 2**(bits-1):
 
-        z' = (8 - z) * s     so that   s * q' + z' = s * (q - z)   for the signed q' = q - 8 the kernel reads
+        z' = (c - z) * s     so that   s * q' + z' = s * (q - z)   for the signed q' = q - c the kernel reads
 
     computed in float32 and rounded once to the scales' dtype, laid out as kernel_scales lays out the scales."""
     from vllm_wna16_plugin.packing import unpack_along
 
-    z = unpack_along(qzeros, 4, dim=-2, word_bits=8)  # (E, N, G)
-    table = ((8 - z).to(torch.float32) * scales.to(torch.float32)).to(scales.dtype)
+    z = unpack_along(qzeros, bits, dim=-2, word_bits=8)  # (E, N, G)
+    midpoint = 1 << (bits - 1)
+    table = ((midpoint - z).to(torch.float32) * scales.to(torch.float32)).to(scales.dtype)
     return kernel_scales(table, group_size, kernel_group)
 
 
@@ -154,9 +162,11 @@ def prepare(
     w2_qzeros: torch.Tensor | None = None,
     kernel_group: int = KERNEL_GROUP,
     dtype: torch.dtype | None = None,
+    bits: int = 4,
 ) -> HopperState:
-    """The hopper copy of a layer in the plugin's kernel layout (int4: uint8 (E, N, K/2), scales (E, N, G) with
-    groups of group_w13 / group_w2 along K; zero points (E, N/2, G) or None: symmetric). A new copy of the weights
+    """The hopper copy of a layer in the plugin's kernel layout (`bits`-bit weights: uint8 (E, N, K * bits / 8),
+    scales (E, N, G) with groups of group_w13 / group_w2 along K; zero points (E, N * bits / 8, G) or None:
+    symmetric). A new copy of the weights
     (their signed, reordered form), of the scales (kernel_scales) and of the zero tables (kernel_zeros).
     kernel_group: the scales' group size in the kernel; anything but KERNEL_GROUP is for the diagnosis of the
     group-128 fault only (bench/hopper_group_diag.py). dtype: the layer's activation dtype (bf16 or fp16), which the
@@ -171,12 +181,12 @@ def prepare(
     s2 = kernel_scales(w2_scales, group_w2, g2).to(dtype or w2_scales.dtype)
     z13 = z2 = None
     if w13_qzeros is not None:
-        z13 = kernel_zeros(w13_qzeros, w13_scales, group_w13, g13).to(s13.dtype)
-        z2 = kernel_zeros(w2_qzeros, w2_scales, group_w2, g2).to(s2.dtype)
-    consts = ext.layer_constants(e, n1, h, h, inter, s13.shape[1], s2.shape[1], w13_qweight.device)
+        z13 = kernel_zeros(w13_qzeros, w13_scales, group_w13, g13, bits).to(s13.dtype)
+        z2 = kernel_zeros(w2_qzeros, w2_scales, group_w2, g2, bits).to(s2.dtype)
+    consts = ext.layer_constants(e, n1, h, h, inter, s13.shape[1], s2.shape[1], bits, w13_qweight.device)
     return HopperState(
-        ext.prepare_weights(w13_qweight.contiguous()), ext.prepare_weights(w2_qweight.contiguous()),
-        s13, s2, consts, g13, g2, z13, z2,
+        ext.prepare_weights(w13_qweight.contiguous(), bits), ext.prepare_weights(w2_qweight.contiguous(), bits),
+        s13, s2, consts, g13, g2, z13, z2, bits,
     )  # fmt: skip
 
 
@@ -190,12 +200,12 @@ def fused_moe_hopper(
     """The layer for one batch: sum_j topk_weights[t, j] * down(silu(gate) * up)(x[t]) over expert topk_ids[t, j].
     x (M, H) bf16 or fp16 (the scales' dtype: the layer's); the router's ids name this layer's experts (the backend
     refuses expert parallelism), or are -1: vLLM 0.34's padding rows (CUDA-graph / DP padding), which add nothing (a
-    row of padding only is zero). launch.tile must be one of built_tiles(x.dtype, zero points)."""
+    row of padding only is zero). launch.tile must be one of built_tiles(x.dtype, zero points, bits)."""
     ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else topk_ids.to(torch.int32)
     weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
     return _extension().moe_forward(
         x.contiguous(), ids.contiguous(), weights.contiguous(), state.w13, state.s13, state.w2, state.s2,
-        state.z13, state.z2, state.consts, state.group_w13, state.group_w2, launch.tile, launch.tile, 6,
+        state.z13, state.z2, state.consts, state.bits, state.group_w13, state.group_w2, launch.tile, launch.tile, 6,
     )  # fmt: skip
 
 

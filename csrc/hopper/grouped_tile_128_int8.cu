@@ -1,0 +1,4 @@
+// The grouped GEMM with a 128-token tile, bf16 activations, symmetric int8 (grouped_gemm.cuh).
+#include "grouped_gemm.cuh"
+
+WNA16_HOPPER_INSTANTIATE(128, kBf16, false, 8)

@@ -1,0 +1,4 @@
+// The grouped GEMM with a 256-token tile, fp16 activations, symmetric int8 (grouped_gemm.cuh).
+#include "grouped_gemm.cuh"
+
+WNA16_HOPPER_INSTANTIATE(256, kFp16, false, 8)

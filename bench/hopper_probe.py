@@ -1,6 +1,11 @@
 """Issue 23's prototype on the GPU: the routed-experts layer on CUTLASS's Hopper grouped int4 x bf16 GEMM.
 
     python3 bench/hopper_probe.py [--out DIR]      # sm90, no vLLM needed
+    python3 bench/hopper_probe.py --install-only   # only the build, installed as vllm_wna16_plugin/_hopper.so
+
+--install-only builds the plugin's hopper extension without setup.py (no vLLM, no CUDA ops: a device call that
+tests only the hopper kernels, `PYTHONPATH=. python3 -m pytest tests/kernels/test_hopper_gpu.py`, skips the bundle
+and the other extension's build).
 
 Builds csrc/hopper/moe_w4a16_grouped.cu with torch's JIT build (CUTLASS headers from the nvidia-cutlass
 wheel: $CUTLASS_DIR, else .cutlass-probe/nvidia_cutlass-*.whl unpacked, else the installed cutlass_library),
@@ -59,14 +64,15 @@ def cutlass_include() -> list[str]:
     return [f"{root}/include", f"{root}/tools/util/include"]
 
 
-def build():
+def build(name: str = "wna16_hopper"):
     from torch.utils.cpp_extension import load
 
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     t0 = time.time()
     hopper = ROOT / "csrc" / "hopper"
     sources = [hopper / "moe_w4a16_grouped.cu", *sorted(hopper.glob("grouped_tile_*.cu"))]
-    ext = load(name="wna16_hopper", sources=[str(p) for p in sources],
+    # the shared libstdc++ by name, as setup.py links it (a static copy crashed on TORCH_CHECK's messages there)
+    ext = load(name=name, sources=[str(p) for p in sources], extra_ldflags=["-l:libstdc++.so.6"],
                extra_include_paths=cutlass_include(),
                # torch's extension flags turn off the half/bf16 operators CUTLASS's types are built on
                extra_cuda_cflags=["-O3", "--expt-relaxed-constexpr", "-DNDEBUG", "-U__CUDA_NO_HALF_OPERATORS__",
@@ -134,7 +140,15 @@ def main(argv=None) -> int:
     ap.add_argument("--m", default=",".join(map(str, M_VALUES)))
     ap.add_argument("--breakdown", action="store_true", help="also time each stage (by prefixes of the layer)")
     ap.add_argument("--all-tiles", action="store_true", help="also time the layer with every tile width")
+    ap.add_argument("--install-only", action="store_true", help="build as vllm_wna16_plugin/_hopper.so and exit")
     args = ap.parse_args(argv)
+    if args.install_only:
+        import shutil
+
+        ext = build("_hopper")
+        shutil.copy(ext.__file__, ROOT / "vllm_wna16_plugin" / "_hopper.so")
+        print(f"installed {ext.__file__} as vllm_wna16_plugin/_hopper.so", flush=True)
+        return 0
     ms = [int(v) for v in args.m.split(",")]
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     ext = build()

@@ -15,14 +15,17 @@ constexpr int kTileWidths[] = {32, 64, 128, 256};
 // the activations' type, which the scales (and zero tables) and the outputs share
 enum class Act { kBf16, kFp16 };
 
-// The (width, type, zero points, weight bits) builds, one translation unit each
-// (grouped_tile_<N>[_fp16][_zp][_int8].cu): every width for symmetric int4 bf16, the widths auto's rule runs (128 and
-// 256: 64+ rows per hit expert, token_tile) for fp16, for zero points and for symmetric int8, which keeps the build
-// at fourteen units. kernels/hopper_ops.py's BUILT_TILES says the same and a CPU test checks both against the files.
+// The (width, type, zero points, weight bits) builds, one translation unit each (grouped_tile_<N>[_fp16][_int8].cu):
+// every width for symmetric int4 bf16, the widths auto's rule runs (128 and 256: 64+ rows per hit expert,
+// token_tile) for fp16 and for int8, ten units. No zero-point build: CUTLASS 4.2's grouped mixed-input mainloop in
+// its scale-and-zero mode sets up, updates and fences only the zero table's TMA descriptor, never the scales' one,
+// whose loads then fault (an illegal instruction on the H100, 2026-12-06); kernels/hopper_ops.py gives an int4
+// zero-point layer to the int8 builds as q - z instead. hopper_ops.BUILT_TILES says the same and a CPU test checks
+// both against the files.
 constexpr bool tile_is_built(int tile, Act act, bool zero_points, int bits = 4) {
-  if (bits == 8) return !zero_points && (tile == 128 || tile == 256);
-  return bits == 4 &&
-         (tile == 128 || tile == 256 || (act == Act::kBf16 && !zero_points && (tile == 32 || tile == 64)));
+  if (zero_points) return false;
+  if (bits == 8) return tile == 128 || tile == 256;
+  return bits == 4 && (tile == 128 || tile == 256 || (act == Act::kBf16 && (tile == 32 || tile == 64)));
 }
 
 struct GroupedArgs {
@@ -34,7 +37,7 @@ struct GroupedArgs {
   void* stride_a = nullptr;  // StrideA[E]
   const void** s = nullptr;  // expert e's (G, N) scales
   void* stride_s = nullptr;  // StrideS[E] (the zero tables' too)
-  const void** z = nullptr;  // expert e's (G, N) zero table, (2**(bits-1) - z) * s (zero-point builds only)
+  const void** z = nullptr;  // expert e's (G, N) zero table (a zero-point build: none is built, tile_is_built)
   int group_size = 0;        // K elements per scale (K itself: channel-wise)
   void** d = nullptr;        // expert e's first output row
   void* stride_d = nullptr;  // StrideD[E]

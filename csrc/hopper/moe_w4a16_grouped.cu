@@ -13,8 +13,9 @@
 // Weights: the plugin's kernel layout (E, N, K * bits / 8) uint8 (int4: even k in the low nibble), made signed
 // (q' = q - 2**(bits-1): XOR 0x8 per nibble, 0x80 per byte; CUTLASS's int4b_t, int8_t) and reordered per expert at
 // prepare (prepare_weights); scales (E, G, N), N contiguous (the plugin's (E, N, G) transposed by the caller).
-// Symmetric: w = s * q'. With zero points z the caller gives zero tables shaped as the scales,
-// z' = (2**(bits-1) - z) * s, and CUTLASS's ConvertAndScaleWithZero computes w = s * q' + z' = s * (q - z).
+// w = s * q'. Zero points: the caller gives int4 q with zero points z as int8 q - z (hopper_ops.prepare); zero
+// tables (CUTLASS's ConvertAndScaleWithZero, z' = (2**(bits-1) - z) * s) are refused: no such build
+// (grouped_gemm.h's tile_is_built says why).
 // Issue 23's prototype: bench/hopper_probe.py builds it with torch's JIT (CUTLASS headers from the
 // nvidia-cutlass wheel); setup.py builds it as vllm_wna16_plugin._hopper where CUTLASS is found, and the
 // `hopper` backend runs it (kernels/hopper_ops.py; docs/perf/hopper-path.md).
@@ -38,10 +39,6 @@ WNA16_HOPPER_EXTERN(128, kBf16, false, 4)
 WNA16_HOPPER_EXTERN(256, kBf16, false, 4)
 WNA16_HOPPER_EXTERN(128, kFp16, false, 4)
 WNA16_HOPPER_EXTERN(256, kFp16, false, 4)
-WNA16_HOPPER_EXTERN(128, kBf16, true, 4)
-WNA16_HOPPER_EXTERN(256, kBf16, true, 4)
-WNA16_HOPPER_EXTERN(128, kFp16, true, 4)
-WNA16_HOPPER_EXTERN(256, kFp16, true, 4)
 WNA16_HOPPER_EXTERN(128, kBf16, false, 8)
 WNA16_HOPPER_EXTERN(256, kBf16, false, 8)
 WNA16_HOPPER_EXTERN(128, kFp16, false, 8)
@@ -352,8 +349,9 @@ static void launch(GroupedArgs& g, bool zero, int bits, int tile, const torch::D
 }
 
 // The layer: x (M, H) bf16 or fp16, topk_ids (M, top_k) int32, topk_w (M, top_k) float32; w13 / w2 prepared
-// (prepare_weights, `bits`-bit), s13 (E, G1, 2I) / s2 (E, G2, H) in x's type (bf16 or fp16), z13 / z2 the zero tables shaped
-// as the scales (None: symmetric), consts (layer_constants). tile1 / tile2: each
+// (prepare_weights, `bits`-bit), s13 (E, G1, 2I) / s2 (E, G2, H) in x's type (bf16 or fp16), z13 / z2 zero tables
+// (refused: no zero-point build is made; the routing and launch keep their plumbing for a CUTLASS whose grouped zero
+// mode sets up the scales' descriptor), consts (layer_constants). tile1 / tile2: each
 // GEMM's token-tile width. stages < 6 stops after that many of route (1), gather (2), GEMM1 (3), activation
 // (4), GEMM2 (5) and returns an empty output: a time breakdown by differences.
 torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor topk_w, torch::Tensor w13,
@@ -380,13 +378,8 @@ torch::Tensor moe_forward(torch::Tensor x, torch::Tensor topk_ids, torch::Tensor
               "scales must be (E, G1, 2I) and (E, G2, H) in x's dtype");
   const int64_t G1 = s13.size(1), G2 = s2.size(1);
   TORCH_CHECK(G1 * group1 == H && G2 * group2 == I, "group sizes ", group1, "/", group2, " do not tile K=", H, "/", I);
-  const bool zero = z13.has_value();
-  TORCH_CHECK(zero == z2.has_value(), "zero tables: both GEMMs' or neither");
-  if (zero) {
-    TORCH_CHECK(z13->sizes() == s13.sizes() && z2->sizes() == s2.sizes() && z13->scalar_type() == dtype &&
-                    z2->scalar_type() == dtype && z13->is_contiguous() && z2->is_contiguous(),
-                "zero tables must be contiguous and shaped and typed as the scales");
-  }
+  const bool zero = z13.has_value() || z2.has_value();
+  TORCH_CHECK(!zero, "zero tables: no zero-point build (tile_is_built); give int4 zero points as int8 q - z");
   TORCH_CHECK(E <= 4096, "at most 4096 experts (the routing block's shared memory)");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x must be 16-byte aligned");
   auto opts = x.options();

@@ -5,8 +5,9 @@ the long prompts is the hopper rule's (backends/hopper.py), the 5-sequence decod
 plugin's other kernels. The vLLM partners are turned off (VLLM_WNA16_PLUS_HUMMING=0, VLLM_WNA16_PLUS_MARLIN=0) so
 that the hopper kernel takes those batches on any vLLM. The layer must log the hopper copy and generate like the
 float32 reference backend; VLLM_WNA16_PLUS_HOPPER=0 must leave the copy out and generate alike, and
-VLLM_WNA16_PLUS_BACKEND=hopper (every batch on the hopper kernel, decode graphs included) too. AWQ (zero points),
-float16 and symmetric int8 (named only: auto's rule is not yet timed on int8) checkpoints run their builds.
+VLLM_WNA16_PLUS_BACKEND=hopper (every batch on the hopper kernel, decode graphs included) too. A float16 run takes the
+fp16 build under auto; AWQ (zero points, run as int8 q - z) and symmetric int8 checkpoints run the int8 builds where
+named (auto's rule is not yet timed on int8).
 """
 
 from __future__ import annotations
@@ -118,9 +119,24 @@ def _auto_with_the_copy_generates_like_the_reference(checkpoint, tmp_path_factor
     assert_generates_like(composed, ref, f"auto with the hopper copy, {what}")
 
 
-def test_auto_with_the_hopper_copy_of_an_awq_checkpoint_generates_like_the_reference(awq_checkpoint, tmp_path_factory):
-    """Zero points (AWQ): the hopper copy holds the zero tables and takes the prefill."""
-    _auto_with_the_copy_generates_like_the_reference(awq_checkpoint, tmp_path_factory, "awq")
+def _named_hopper_generates_like_the_reference(checkpoint, tmp_path_factory, what: str) -> None:
+    """VLLM_WNA16_PLUS_BACKEND=hopper (every batch, decode graphs included) and the reference backend: the hopper run
+    must log its first batch and generate like the reference."""
+    prompts = [*PROMPTS, *long_prompts(checkpoint)]
+    runs = {"ref": dict(backend="reference", eager=True), "hopper": dict(backend="hopper", env=NO_PARTNER)}
+    dirs = {tag: tmp_path_factory.mktemp(f"{tag}-{what}") for tag in runs}
+    for tag, kwargs in runs.items():
+        start_llm(checkpoint, dirs[tag], prompts=prompts, **kwargs)
+    ref = run_llm(checkpoint, dirs["ref"], prompts=prompts, **runs["ref"]).require_ok(f"reference, {what}")
+    named = run_llm(checkpoint, dirs["hopper"], prompts=prompts, **runs["hopper"]).require_ok(f"hopper, {what}")
+    assert HOPPER_RAN in named.log, named.log[-3000:]
+    assert_generates_like(named, ref, f"VLLM_WNA16_PLUS_BACKEND=hopper on {what}")
+
+
+def test_the_hopper_backend_on_an_awq_checkpoint_generates_like_the_reference(awq_checkpoint, tmp_path_factory):
+    """Zero points (AWQ): the hopper copy holds int8 q - z (hopper_ops.zero_point_weights); auto's rule does not take
+    it yet (backends/hopper.hopper_rule_gap), named it runs every batch."""
+    _named_hopper_generates_like_the_reference(awq_checkpoint, tmp_path_factory, "awq")
 
 
 def test_auto_with_the_hopper_copy_in_float16_generates_like_the_reference(checkpoint, tmp_path_factory):
@@ -140,12 +156,4 @@ def int8_checkpoint(checkpoint):
 def test_the_hopper_backend_on_an_int8_checkpoint_generates_like_the_reference(int8_checkpoint, tmp_path_factory):
     """int8 is in the kernel's scope but not yet in auto's rule (backends/hopper.hopper_rule_gap): named
     (VLLM_WNA16_PLUS_BACKEND=hopper), every batch, decode graphs included, runs the int8 build."""
-    prompts = [*PROMPTS, *long_prompts(int8_checkpoint)]
-    runs = {"ref": dict(backend="reference", eager=True), "hopper": dict(backend="hopper", env=NO_PARTNER)}
-    dirs = {tag: tmp_path_factory.mktemp(f"{tag}-int8") for tag in runs}
-    for tag, kwargs in runs.items():
-        start_llm(int8_checkpoint, dirs[tag], prompts=prompts, **kwargs)
-    ref = run_llm(int8_checkpoint, dirs["ref"], prompts=prompts, **runs["ref"]).require_ok("reference, int8")
-    named = run_llm(int8_checkpoint, dirs["hopper"], prompts=prompts, **runs["hopper"]).require_ok("hopper, int8")
-    assert HOPPER_RAN in named.log, named.log[-3000:]
-    assert_generates_like(named, ref, "VLLM_WNA16_PLUS_BACKEND=hopper on int8")
+    _named_hopper_generates_like_the_reference(int8_checkpoint, tmp_path_factory, "int8")

@@ -1,6 +1,6 @@
 """The hopper backend (CUTLASS's sm90 grouped GEMM, kernels/hopper_ops.py) against the float reference on an sm90
 GPU with the extension built (skipped elsewhere): every built token tile in bf16 and fp16, int4 symmetric and with
-zero points and symmetric int8, group sizes 64 / 128 and channel-wise, experts with no rows, M from 1 to prefill, vLLM's padding rows,
+zero points (run as int8 q - z) and symmetric int8, group sizes 64 / 128 and channel-wise, experts with no rows, M from 1 to prefill, vLLM's padding rows,
 CUDA-graph capture and replay on new inputs, auto's plan handing it the batches its rule takes, and
 compute-sanitizer memcheck / racecheck of its kernels."""
 
@@ -83,8 +83,8 @@ def test_hopper_fp16_matches_reference(H, I, E, top_k, gs, gs2, M):  # noqa: E74
 @pytest.mark.parametrize("M", [1, 64, 1100])
 @pytest.mark.parametrize("H, I, E, top_k, gs, gs2", CASES)
 def test_hopper_zero_points_match_reference(H, I, E, top_k, gs, gs2, M, dtype):  # noqa: E741
-    """The zero-point builds (grouped_tile_<N>[_fp16]_zp.cu: CUTLASS's scale-and-zero mode, z' = (8 - z) * s) with
-    real zero points (AWQ-style, one per group and column)."""
+    """int4 with real zero points (AWQ-style, one per group and column), run on the int8 builds as q - z
+    (hopper_ops.zero_point_weights: CUTLASS 4.2's grouped scale-and-zero mode faults, grouped_gemm.h)."""
     p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=4, gs1=gs, gs2=gs2, zp=True, dtype=dtype, seed=M + I)
     args, kw = _cuda(p)
     assert kw["w13_qzeros"] is not None
@@ -114,13 +114,19 @@ def test_hopper_int8_matches_reference(H, I, E, top_k, gs, gs2, M, dtype):  # no
 )
 @pytest.mark.parametrize("tile", [32, 64, 128, 256])
 def test_every_token_tile_matches_reference(tile, zp, bits, dtype):
-    """Every built (tile, dtype, zero points, bits) build (hopper_ops.BUILT_TILES); the others refuse with the reason
-    (int8 with zero points: every tile)."""
+    """Every built (tile, dtype, kernel bits) build (hopper_ops.BUILT_TILES, kernel_bits); the others refuse with the
+    reason (int8 with zero points: at prepare)."""
     from vllm_wna16_plugin.kernels import hopper_ops
 
     p = make_moe_problem(M=200, H=1024, I=512, E=8, top_k=2, bits=bits, gs1=128, zp=zp, dtype=dtype, seed=tile)
     args, kw = _cuda(p)
     x, w13, w2, s13, s2, topk_w, topk_ids = args
+    if hopper_ops.kernel_bits(bits, zp) is None:
+        with pytest.raises(ValueError, match="no build"):
+            hopper_ops.prepare(
+                w13, w2, s13, s2, 128, 128, w13_qzeros=kw["w13_qzeros"], w2_qzeros=kw["w2_qzeros"], bits=bits
+            )
+        return
     state = hopper_ops.prepare(
         w13, w2, s13, s2, 128, 128, w13_qzeros=kw["w13_qzeros"], w2_qzeros=kw["w2_qzeros"], bits=bits
     )

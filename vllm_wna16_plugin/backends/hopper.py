@@ -2,8 +2,8 @@
 tiles; kernels/hopper_ops.py) for batches whose experts take tens of rows or more, up to prefill.
 
 Its rules: sm90 (the extension is built for sm90a only, where setup.py finds CUTLASS's headers), bfloat16 or
-float16 activations, int4 weights (symmetric or with zero points) or symmetric int8, in groups of a multiple of 64 or
-channel-wise, K (hidden, intermediate) a multiple of 64 and N (2 x intermediate, hidden) of 128, silu, no act order,
+float16 activations, int4 weights (symmetric, or with zero points: run as int8 q - z, hopper_ops.kernel_bits) or
+symmetric int8, in groups of a multiple of 64 or channel-wise, K (hidden, intermediate) a multiple of 64 and N (2 x intermediate, hidden) of 128, silu, no act order,
 no expert parallelism, the router's weights applied after the down projection. It holds its own copy of the experts (signed, reordered for the
 wgmma fragment: hopper_copy_bytes).
 
@@ -48,8 +48,9 @@ ENV_COMPOSE = "VLLM_WNA16_PLUS_HOPPER"  # auto (default): hold the hopper copy w
 # models at prefill (Qwen3-235B M=4096: 893 / 1036), so a layer composed with Humming hands Humming its batches
 # first; one composed with Marlin asks hopper first (HOPPER_BEFORE).
 HOPPER_MIN_ROWS = 64.0  # rows per hit expert (base.pairs_per_expert) from which hopper's tiles win
-# the weight bits the rule was fitted on: int8 layers (built since 2026-12-06, not yet timed) run hopper only where
-# named (VLLM_WNA16_PLUS_BACKEND=hopper), and auto holds no copy of them
+# the kernel weight bits (hopper_ops.kernel_bits) the rule was fitted on: int8 layers and int4 ones with zero points
+# (run as int8; both right on the H100 2026-12-06, not yet timed) run hopper only where named
+# (VLLM_WNA16_PLUS_BACKEND=hopper), and auto holds no copy of them
 HOPPER_RULE_BITS = (4,)
 HOPPER_BEFORE = (None, "marlin")  # the partners (None: no partner) whose rule hopper's goes before
 HOPPER_RULE_SOURCE = "hopper rule (backends/hopper.py; H100 dev set 2026-12-06-d23a13c-hopper-dev)"
@@ -57,8 +58,9 @@ HOPPER_RULE_SOURCE = "hopper rule (backends/hopper.py; H100 dev set 2026-12-06-d
 
 def hopper_scope(problem: MoEProblem, device=None) -> str | None:
     """Why the hopper kernel cannot run this layer (on `device`, default the layer's), or None when it can: what
-    the extension is built for (sm90a; bf16 / fp16; int4 with or without zero points, symmetric int8: hopper_ops.
-    BUILT_TILES; K tile 64, weight tile 128 rows) and the layer forms its launcher takes. Never raises."""
+    the extension is built for (sm90a; bf16 / fp16; int4 and int8 weights, int4 zero points as int8 q - z:
+    hopper_ops.BUILT_TILES, kernel_bits; K tile 64, weight tile 128 rows) and the layer forms its launcher takes.
+    Never raises."""
     device = device or layer_device(problem)
     if device.platform != "cuda" or device.sm != 90:
         return f"built for sm90 only (device is {device.platform} sm{device.sm})"
@@ -71,8 +73,8 @@ def hopper_scope(problem: MoEProblem, device=None) -> str | None:
         return f"bfloat16 or float16 activations only (the layer's are {str(problem.act_dtype).removeprefix('torch.')})"
     if not built_tiles(problem.act_dtype, scheme.has_zero_point, scheme.bits):
         return (
-            f"{scheme.describe()}: not built (int4, symmetric or with zero points, and symmetric int8: "
-            "int8 with zero points is not; hopper_ops.BUILT_TILES)"
+            f"{scheme.describe()}: not built (int4, symmetric or with zero points, and symmetric int8; int8 with zero "
+            "points is not: hopper_ops.kernel_bits)"
         )
     if problem.activation != "silu":
         return f"activation {problem.activation!r}: the hopper kernel fuses silu only"
@@ -93,12 +95,17 @@ def hopper_scope(problem: MoEProblem, device=None) -> str | None:
 
 
 def hopper_rule_gap(problem: MoEProblem) -> str | None:
-    """Why auto's rule does not judge this layer (weights of bits it was not fitted on: HOPPER_RULE_BITS), or None."""
-    bits = problem.scheme.bits
-    if bits not in HOPPER_RULE_BITS:
+    """Why auto's rule does not judge this layer (the kernel runs its weights in bits the rule was not fitted on:
+    HOPPER_RULE_BITS, hopper_ops.kernel_bits), or None."""
+    from vllm_wna16_plugin.kernels.hopper_ops import kernel_bits
+
+    scheme = problem.scheme
+    run = kernel_bits(scheme.bits, scheme.has_zero_point)
+    if run not in HOPPER_RULE_BITS:
+        form = f"int{scheme.bits}" + (" with zero points" if scheme.has_zero_point else "")
         return (
-            f"int{bits}: the hopper rule is fitted on int{'/int'.join(map(str, HOPPER_RULE_BITS))} layers only "
-            f"(int{bits} not yet timed; VLLM_WNA16_PLUS_BACKEND=hopper runs it)"
+            f"{form}: the hopper kernel runs it as int{run}, and its rule is fitted on symmetric int4 layers only "
+            f"(int{run} not yet timed; VLLM_WNA16_PLUS_BACKEND=hopper runs it)"
         )
     return None
 
@@ -121,21 +128,26 @@ def hopper_tile(problem: MoEProblem, rows_per_expert: float) -> int:
 
 
 def hopper_copy_bytes(problem: MoEProblem) -> int:
-    """Bytes of the hopper copy of a layer: both GEMMs' int4 / int8 weights and 16-bit scales of every local expert, the
-    scales in groups of hopper_ops.KERNEL_GROUP, and as many bytes of zero tables where the layer has zero points."""
-    from vllm_wna16_plugin.kernels.hopper_ops import KERNEL_GROUP
+    """Bytes of the hopper copy of a layer: both GEMMs' weights in the kernel's bits (hopper_ops.kernel_bits: int4 with
+    zero points as int8) and 16-bit scales of every local expert, the scales in groups of hopper_ops.KERNEL_GROUP."""
+    from vllm_wna16_plugin.kernels.hopper_ops import KERNEL_GROUP, kernel_bits
 
-    kernel = dataclasses.replace(problem, group_size_w13=KERNEL_GROUP, group_size_w2=KERNEL_GROUP)
-    h, i = problem.hidden, problem.intermediate
-    tables = 2 * (2 * i * (h // KERNEL_GROUP) + h * (i // KERNEL_GROUP)) if problem.scheme.has_zero_point else 0
-    return int(problem.num_experts * (expert_bytes(kernel) + tables))
+    scheme = problem.scheme
+    run = kernel_bits(scheme.bits, scheme.has_zero_point) or scheme.bits
+    kernel = dataclasses.replace(
+        problem,
+        group_size_w13=KERNEL_GROUP,
+        group_size_w2=KERNEL_GROUP,
+        scheme=dataclasses.replace(scheme, bits=run, has_zero_point=False),
+    )
+    return int(problem.num_experts * expert_bytes(kernel))
 
 
 class HopperBackend(Backend):
     name = "hopper"
     _ran = False  # whether this process logged FIRST_RUN
     description = (
-        "plugin sm90 grouped GEMM (csrc/hopper/, CUTLASS: TMA + wgmma, warp-specialised): int4 (zero points too) and int8, "
+        "plugin sm90 grouped GEMM (csrc/hopper/, CUTLASS: TMA + wgmma, warp-specialised): int4 (zero points as int8) and int8, "
         "bf16 / fp16, "
         "for tens of rows per expert up to prefill"
     )

@@ -5,7 +5,7 @@
 
     D_e[j, n] = sum_k A_e[j, k] * s_e[k // g, n] * (q_e[n, k] - z)      per expert e, for its rows j
 
-(z = 2**(bits-1) where symmetric, else the checkpoint's zero point of the group)
+(z = 2**(bits-1) where symmetric; an int4 layer with zero points runs the int8 builds on q - z: zero_point_weights)
 
 TMA loads, wgmma, one producer and two consumer warp groups, a persistent schedule over every expert's tiles
 (docs/perf/hopper-path.md). The weights are the MMA's M side (128 rows a tile), the routed rows its N side: the
@@ -23,17 +23,14 @@ import torch
 
 # the token-tile widths there are (csrc/hopper/grouped_gemm.h)
 TILE_WIDTHS = (32, 64, 128, 256)
-# the widths built for each (activation dtype, zero points, weight bits): one translation unit each
-# (grouped_tile_<N>[_fp16][_zp][_int8].cu; grouped_gemm.h's tile_is_built says the same): every width for symmetric
-# int4 bf16, the two auto's rule runs (64+ rows per hit expert: 128 and 256, token_tile) for fp16, for zero points
-# and for symmetric int8, which keeps the build at fourteen units; int8 with zero points is not built
+# the widths built for each (activation dtype, the kernel's weight bits: kernel_bits): one translation unit each
+# (grouped_tile_<N>[_fp16][_int8].cu; grouped_gemm.h's tile_is_built says the same): every width for int4 bf16, the
+# two auto's rule runs (64+ rows per hit expert: 128 and 256, token_tile) for fp16 and for int8; ten units
 BUILT_TILES = {
-    (torch.bfloat16, False, 4): TILE_WIDTHS,
-    (torch.float16, False, 4): (128, 256),
-    (torch.bfloat16, True, 4): (128, 256),
-    (torch.float16, True, 4): (128, 256),
-    (torch.bfloat16, False, 8): (128, 256),
-    (torch.float16, False, 8): (128, 256),
+    (torch.bfloat16, 4): TILE_WIDTHS,
+    (torch.float16, 4): (128, 256),
+    (torch.bfloat16, 8): (128, 256),
+    (torch.float16, 8): (128, 256),
 }
 # every K (H for GEMM1, I for GEMM2) and group size is a multiple of the K tile (64 bf16: one 128-byte row), and
 # every N (2I, H) of the weight tile's 128 rows
@@ -59,10 +56,20 @@ def token_tile(rows_per_expert: float, widths: tuple[int, ...] = TILE_WIDTHS) ->
     return next((t for t in narrow if t >= 2 * rows_per_expert), narrow[-1])
 
 
+def kernel_bits(bits: int, zero_points: bool) -> int | None:
+    """The weight bits the kernel runs a layer's `bits`-bit weights in: symmetric int4 and int8 as they are, int4 with
+    zero points as int8 q - z (in [-15, 15]: zero_point_weights), since no zero-point build runs (CUTLASS 4.2's grouped
+    scale-and-zero mode never sets up the scales' TMA descriptor: grouped_gemm.h); None for int8 with zero points
+    (q - z spans [-255, 255])."""
+    if not zero_points:
+        return bits
+    return 8 if bits == 4 else None
+
+
 def built_tiles(dtype: torch.dtype, zero_points: bool, bits: int = 4) -> tuple[int, ...]:
-    """The token-tile widths built for a layer of this activation dtype (bf16, fp16), zero points and weight bits;
-    () where none is."""
-    return BUILT_TILES.get((dtype, bool(zero_points), int(bits)), ())
+    """The token-tile widths built for a layer of this activation dtype (bf16, fp16), zero points and weight bits
+    (kernel_bits); () where none is."""
+    return BUILT_TILES.get((dtype, kernel_bits(int(bits), bool(zero_points))), ())
 
 
 @dataclass(frozen=True)
@@ -75,8 +82,9 @@ class HopperLaunch:
 @dataclass
 class HopperState:
     """A layer's copy for the hopper kernel: w13 (E, 2I, H * bits / 8) and w2 (E, H, I * bits / 8) signed and
-    reordered (prepare_weights), scales (E, K / KERNEL_GROUP, N) contiguous in the activation dtype (kernel_scales),
-    the per-expert strides and layouts of both GEMMs (consts), and the kernel's group sizes (KERNEL_GROUP)."""
+    reordered (prepare_weights; bits: the kernel's, kernel_bits), scales (E, K / KERNEL_GROUP, N) contiguous in the
+    activation dtype (kernel_scales), the per-expert strides and layouts of both GEMMs (consts), and the kernel's
+    group sizes (KERNEL_GROUP)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -85,8 +93,6 @@ class HopperState:
     consts: torch.Tensor
     group_w13: int
     group_w2: int
-    z13: torch.Tensor | None = None  # zero tables (kernel_zeros), shaped as s13 / s2; None: symmetric
-    z2: torch.Tensor | None = None
     bits: int = 4
 
 
@@ -133,21 +139,23 @@ def kernel_scales(scales: torch.Tensor, group_size: int, kernel_group: int = KER
     return table.transpose(1, 2).contiguous()
 
 
-def kernel_zeros(
-    qzeros: torch.Tensor, scales: torch.Tensor, group_size: int, kernel_group: int = KERNEL_GROUP, bits: int = 4
-) -> torch.Tensor:
-    """The kernel's zero table of `bits`-bit zero points z (the plugin's (E, N * bits / 8, G) uint8, packed along N)
-    and their scales s (E, N, G), with the midpoint c = 2**(bits-1):
+def zero_point_weights(qweight: torch.Tensor, qzeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """An int4 zero-point layer's weights in the kernel layout of int8 (E, N, K) uint8 with midpoint 128:
 
-        z' = (c - z) * s     so that   s * q' + z' = s * (q - z)   for the signed q' = q - c the kernel reads
+        u = q - z + 128      so that   s * (u - 128) = s * (q - z)   exactly (q - z in [-15, 15])
 
-    computed in float32 and rounded once to the scales' dtype, laid out as kernel_scales lays out the scales."""
+    from the plugin's int4 kernel layout: qweight (E, N, K/2) uint8, zero points qzeros (E, N/2, G) uint8 (packed
+    along N), z of k's group k // group_size. One expert at a time (an int16 (N, K) temporary each)."""
     from vllm_wna16_plugin.packing import unpack_along
 
-    z = unpack_along(qzeros, bits, dim=-2, word_bits=8)  # (E, N, G)
-    midpoint = 1 << (bits - 1)
-    table = ((midpoint - z).to(torch.float32) * scales.to(torch.float32)).to(scales.dtype)
-    return kernel_scales(table, group_size, kernel_group)
+    out = torch.empty(
+        qweight.shape[0], qweight.shape[1], qweight.shape[2] * 2, dtype=torch.uint8, device=qweight.device
+    )
+    for e in range(qweight.shape[0]):
+        q = unpack_along(qweight[e], 4, dim=-1, word_bits=8).to(torch.int16)  # (N, K)
+        z = unpack_along(qzeros[e], 4, dim=-2, word_bits=8).to(torch.int16)  # (N, G)
+        out[e] = (q - z.repeat_interleave(group_size, dim=-1) + 128).to(torch.uint8)
+    return out
 
 
 def prepare(
@@ -166,28 +174,29 @@ def prepare(
 ) -> HopperState:
     """The hopper copy of a layer in the plugin's kernel layout (`bits`-bit weights: uint8 (E, N, K * bits / 8),
     scales (E, N, G) with groups of group_w13 / group_w2 along K; zero points (E, N * bits / 8, G) or None:
-    symmetric). A new copy of the weights
-    (their signed, reordered form), of the scales (kernel_scales) and of the zero tables (kernel_zeros).
+    symmetric). A new copy of the weights (their signed, reordered form; int4 with zero points as int8 q - z:
+    zero_point_weights) and of the scales (kernel_scales).
     kernel_group: the scales' group size in the kernel; anything but KERNEL_GROUP is for the diagnosis of the
     group-128 fault only (bench/hopper_group_diag.py). dtype: the layer's activation dtype (bf16 or fp16), which the
-    kernel reads the scales and zero tables in (default: the scales' own)."""
+    kernel reads the scales in (default: the scales' own)."""
     if (w13_qzeros is None) != (w2_qzeros is None):
         raise ValueError("zero points: give both GEMMs' (w13_qzeros and w2_qzeros) or neither")
+    run_bits = kernel_bits(bits, w13_qzeros is not None)
+    if run_bits is None:
+        raise ValueError(f"int{bits} with zero points: the hopper kernel has no build for it (kernel_bits)")
     ext = _extension()
     e, n1, _ = w13_qweight.shape
     h, inter = w2_qweight.shape[1], n1 // 2
     g13, g2 = min(kernel_group, group_w13), min(kernel_group, group_w2)
     s13 = kernel_scales(w13_scales, group_w13, g13).to(dtype or w13_scales.dtype)
     s2 = kernel_scales(w2_scales, group_w2, g2).to(dtype or w2_scales.dtype)
-    z13 = z2 = None
-    if w13_qzeros is not None:
-        z13 = kernel_zeros(w13_qzeros, w13_scales, group_w13, g13, bits).to(s13.dtype)
-        z2 = kernel_zeros(w2_qzeros, w2_scales, group_w2, g2, bits).to(s2.dtype)
-    consts = ext.layer_constants(e, n1, h, h, inter, s13.shape[1], s2.shape[1], bits, w13_qweight.device)
-    return HopperState(
-        ext.prepare_weights(w13_qweight.contiguous(), bits), ext.prepare_weights(w2_qweight.contiguous(), bits),
-        s13, s2, consts, g13, g2, z13, z2, bits,
-    )  # fmt: skip
+    if w13_qzeros is not None:  # int4 with zero points: the int8 builds on q - z
+        w13_qweight = zero_point_weights(w13_qweight, w13_qzeros, group_w13)
+        w2_qweight = zero_point_weights(w2_qweight, w2_qzeros, group_w2)
+    consts = ext.layer_constants(e, n1, h, h, inter, s13.shape[1], s2.shape[1], run_bits, w13_qweight.device)
+    w13 = ext.prepare_weights(w13_qweight.contiguous(), run_bits)
+    w2 = ext.prepare_weights(w2_qweight.contiguous(), run_bits)
+    return HopperState(w13, w2, s13, s2, consts, g13, g2, run_bits)
 
 
 def fused_moe_hopper(
@@ -200,12 +209,12 @@ def fused_moe_hopper(
     """The layer for one batch: sum_j topk_weights[t, j] * down(silu(gate) * up)(x[t]) over expert topk_ids[t, j].
     x (M, H) bf16 or fp16 (the scales' dtype: the layer's); the router's ids name this layer's experts (the backend
     refuses expert parallelism), or are -1: vLLM 0.34's padding rows (CUDA-graph / DP padding), which add nothing (a
-    row of padding only is zero). launch.tile must be one of built_tiles(x.dtype, zero points, bits)."""
+    row of padding only is zero). launch.tile must be one of BUILT_TILES[(x.dtype, state.bits)]."""
     ids = topk_ids if topk_ids.dtype == torch.int32 and topk_ids.is_contiguous() else topk_ids.to(torch.int32)
     weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
     return _extension().moe_forward(
         x.contiguous(), ids.contiguous(), weights.contiguous(), state.w13, state.s13, state.w2, state.s2,
-        state.z13, state.z2, state.consts, state.bits, state.group_w13, state.group_w2, launch.tile, launch.tile, 6,
+        None, None, state.consts, state.bits, state.group_w13, state.group_w2, launch.tile, launch.tile, 6,
     )  # fmt: skip
 
 
@@ -220,8 +229,9 @@ __all__ = [
     "extension_error",
     "built_tiles",
     "fused_moe_hopper",
+    "kernel_bits",
     "kernel_scales",
-    "kernel_zeros",
     "prepare",
     "token_tile",
+    "zero_point_weights",
 ]

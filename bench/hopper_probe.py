@@ -12,7 +12,7 @@ wheel: $CUTLASS_DIR, else .cutlass-probe/nvidia_cutlass-*.whl unpacked, else the
 then for MoE layers of real models' shapes (symmetric int4, group 128, bf16):
 
     route -> gather -> grouped GEMM1 -> silu(gate) * up -> grouped GEMM2 -> weighted sum over top_k
-    (one extension call; the token-tile width by the rows an expert takes: 16, 32, 64, 128 or 256)
+    (one extension call; the token-tile width by the rows an expert takes: 32, 64, 128 or 256)
 
 checks the layer against the float reference (the plugin's reference.fused_moe_ref on the dequantized
 weights), captures it in a CUDA graph and times replays (median, µs per layer call), beside torch's bf16
@@ -43,7 +43,7 @@ SHAPES = [("Mixtral-8x7B@tp4", 8, 2, 4096, 3584), ("Mixtral-8x22B@tp4", 8, 2, 61
           ("Qwen3-30B-A3B@tp1", 128, 8, 2048, 768), ("DeepSeek-V3@tp8", 256, 8, 7168, 256)]  # fmt: skip
 M_VALUES = [16, 64, 128, 256, 1024, 4096]
 GROUP = 128
-TILES = (16, 32, 64, 128, 256)  # csrc/hopper/grouped_tile_*.cu
+TILES = (32, 64, 128, 256)  # the bf16 int4 builds (csrc/hopper/grouped_tile_<N>.cu)
 STAGES = ("route", "gather", "GEMM1", "activation", "GEMM2", "sum")
 
 

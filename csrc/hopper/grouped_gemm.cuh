@@ -175,7 +175,7 @@ const char* run_grouped(const GroupedArgs& g) {
 
 }  // namespace wna16_hopper
 
-// One build's instantiation (tile_is_built): the body of each grouped_tile_<N>[_fp16][_zp][_int8].cu, built in
+// One build's instantiation (tile_is_built): the body of each grouped_tile_<N>[_fp16][_int8].cu, built in
 // parallel
 #define WNA16_HOPPER_INSTANTIATE(TILE, ACT, ZERO, BITS)                                    \
   namespace wna16_hopper {                                                                 \

@@ -29,7 +29,7 @@
 
 namespace wna16_hopper {
 
-// built in grouped_tile_<N>[_fp16][_zp][_int8].cu (tile_is_built)
+// built in grouped_tile_<N>[_fp16][_int8].cu (tile_is_built)
 #define WNA16_HOPPER_EXTERN(TILE, ACT, ZERO, BITS)                                                    \
   extern template size_t grouped_workspace_bytes<TILE, Act::ACT, ZERO, BITS>(const GroupedArgs&); \
   extern template const char* run_grouped<TILE, Act::ACT, ZERO, BITS>(const GroupedArgs&);

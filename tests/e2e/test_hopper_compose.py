@@ -98,7 +98,7 @@ def test_auto_with_the_hopper_copy_generates_like_the_reference(checkpoint, tmp_
 
 @pytest.fixture(scope="module")
 def awq_checkpoint(checkpoint):
-    """An AWQ checkpoint (zero points) of the same dimensions: the hopper kernel's zero-point build."""
+    """An AWQ checkpoint (zero points) of the same dimensions: run by the hopper kernel as int8 q - z."""
     from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
 
     return make_checkpoint(checkpoint.parent / "awq-e8-h2048", fmt="awq", bits=4, group_size=128, sym=False,

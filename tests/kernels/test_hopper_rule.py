@@ -71,7 +71,7 @@ def test_scope_takes_a_real_models_layer():
     assert hopper_scope(_problem(gs=-1), SM90) is None  # channel-wise
     assert hopper_scope(_problem(act_dtype=torch.float16), SM90) is None  # the fp16 build
     awq = WNA16Scheme(bits=4, group_size=128, has_zero_point=True, pack_format=PackFormat.AWQ)
-    assert hopper_scope(_problem(scheme=awq), SM90) is None  # zero points: the zero-point build
+    assert hopper_scope(_problem(scheme=awq), SM90) is None  # zero points: the int8 builds on q - z
     assert hopper_scope(_problem(scheme=awq, act_dtype=torch.float16), SM90) is None
     assert hopper_scope(_problem(E=128, top_k=8, H=2048, I=768, gs=64), SM90) is None
     int8 = WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ)
@@ -356,3 +356,17 @@ def test_the_token_budget_is_read_from_the_engines_scheduler_config(monkeypatch)
 
     monkeypatch.setattr(vllm_config, "get_current_vllm_config", no_config)
     assert _vllm.max_batched_tokens() is None
+
+
+def test_prepare_refuses_a_scheme_and_tensors_that_disagree_on_zero_points():
+    """The plan picks its tiles by the scheme's zero points, prepare its form by the tensors': they must agree."""
+    from vllm_wna16_plugin.backends.base import KernelTensors
+
+    awq = _problem(scheme=WNA16Scheme(bits=4, group_size=128, has_zero_point=True, pack_format=PackFormat.AWQ))
+    e, h, i = 8, 4096, 3584
+    tensors = KernelTensors(
+        torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8), torch.zeros(e, h, i // 2, dtype=torch.uint8),
+        torch.ones(e, 2 * i, h // 128), torch.ones(e, h, i // 128),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="disagree on zero points"):
+        HopperBackend().prepare(awq, tensors)

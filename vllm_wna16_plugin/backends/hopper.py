@@ -52,6 +52,8 @@ HOPPER_MIN_ROWS = 64.0  # rows per hit expert (base.pairs_per_expert) from which
 # (run as int8; both right on the H100 2026-12-06, not yet timed) run hopper only where named
 # (VLLM_WNA16_PLUS_BACKEND=hopper), and auto holds no copy of them
 HOPPER_RULE_BITS = (4,)
+# (float16 layers take the same rule as bfloat16 ones: the same wgmma rate and the same bytes; right on the H100
+# 2026-12-06, not timed apart)
 HOPPER_BEFORE = (None, "marlin")  # the partners (None: no partner) whose rule hopper's goes before
 HOPPER_RULE_SOURCE = "hopper rule (backends/hopper.py; H100 dev set 2026-12-06-d23a13c-hopper-dev)"
 
@@ -101,8 +103,10 @@ def hopper_rule_gap(problem: MoEProblem) -> str | None:
 
     scheme = problem.scheme
     run = kernel_bits(scheme.bits, scheme.has_zero_point)
+    form = f"int{scheme.bits}" + (" with zero points" if scheme.has_zero_point else "")
+    if run is None:
+        return f"{form}: the hopper kernel has no form for it (hopper_scope)"
     if run not in HOPPER_RULE_BITS:
-        form = f"int{scheme.bits}" + (" with zero points" if scheme.has_zero_point else "")
         return (
             f"{form}: the hopper kernel runs it as int{run}, and its rule is fitted on symmetric int4 layers only "
             f"(int{run} not yet timed; VLLM_WNA16_PLUS_BACKEND=hopper runs it)"
@@ -167,6 +171,11 @@ class HopperBackend(Backend):
 
     def prepare(self, problem: MoEProblem, tensors: KernelTensors):
         from vllm_wna16_plugin.kernels import hopper_ops
+
+        if (tensors.w13_qzeros is not None) != problem.scheme.has_zero_point:  # the plan's tiles follow the scheme
+            raise ValueError(
+                f"hopper: the layer's scheme ({problem.scheme.describe()}) and its tensors disagree on zero points"
+            )
 
         return hopper_ops.prepare(
             *tensors.weights(), problem.group_size_w13, problem.group_size_w2, w13_qzeros=tensors.w13_qzeros,

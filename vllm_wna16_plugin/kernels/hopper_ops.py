@@ -9,7 +9,7 @@
 
 TMA loads, wgmma, one producer and two consumer warp groups, a persistent schedule over every expert's tiles
 (docs/perf/hopper-path.md). The weights are the MMA's M side (128 rows a tile), the routed rows its N side: the
-token tile's width (32, 64, 128 or 256; one build each) is chosen by the rows an expert takes (token_tile).
+token tile's width (32, 64, 128 or 256; the builds: BUILT_TILES) is chosen by the rows an expert takes (token_tile).
 The layer's copy (HopperState) holds the weights made signed and reordered for the wgmma fragment, and the
 scales group-major; everything the launch needs per batch is written on the device (CUDA-graph safe).
 """
@@ -145,16 +145,16 @@ def zero_point_weights(qweight: torch.Tensor, qzeros: torch.Tensor, group_size: 
         u = q - z + 128      so that   s * (u - 128) = s * (q - z)   exactly (q - z in [-15, 15])
 
     from the plugin's int4 kernel layout: qweight (E, N, K/2) uint8, zero points qzeros (E, N/2, G) uint8 (packed
-    along N), z of k's group k // group_size. One expert at a time (an int16 (N, K) temporary each)."""
-    from vllm_wna16_plugin.packing import unpack_along
-
-    out = torch.empty(
-        qweight.shape[0], qweight.shape[1], qweight.shape[2] * 2, dtype=torch.uint8, device=qweight.device
-    )
-    for e in range(qweight.shape[0]):
-        q = unpack_along(qweight[e], 4, dim=-1, word_bits=8).to(torch.int16)  # (N, K)
-        z = unpack_along(qzeros[e], 4, dim=-2, word_bits=8).to(torch.int16)  # (N, G)
-        out[e] = (q - z.repeat_interleave(group_size, dim=-1) + 128).to(torch.uint8)
+    along N, even n in the low nibble), z of k's group k // group_size. In uint8 throughout (q + (128 - z) never
+    wraps), one expert at a time: about two bytes of temporaries per weight of one expert."""
+    e, n, half_k = qweight.shape
+    out = torch.empty(e, n, 2 * half_k, dtype=torch.uint8, device=qweight.device)
+    for i in range(e):
+        offset = 128 - torch.stack((qzeros[i] & 15, qzeros[i] >> 4), dim=1).reshape(n, -1)  # (N, G): 128 - z
+        row = out[i].view(n, half_k, 2)
+        row[..., 0] = qweight[i] & 15  # even k: the low nibble
+        row[..., 1] = qweight[i] >> 4
+        out[i] += offset.repeat_interleave(group_size, dim=-1)
     return out
 
 
@@ -190,12 +190,13 @@ def prepare(
     g13, g2 = min(kernel_group, group_w13), min(kernel_group, group_w2)
     s13 = kernel_scales(w13_scales, group_w13, g13).to(dtype or w13_scales.dtype)
     s2 = kernel_scales(w2_scales, group_w2, g2).to(dtype or w2_scales.dtype)
-    if w13_qzeros is not None:  # int4 with zero points: the int8 builds on q - z
-        w13_qweight = zero_point_weights(w13_qweight, w13_qzeros, group_w13)
-        w2_qweight = zero_point_weights(w2_qweight, w2_qzeros, group_w2)
     consts = ext.layer_constants(e, n1, h, h, inter, s13.shape[1], s2.shape[1], run_bits, w13_qweight.device)
-    w13 = ext.prepare_weights(w13_qweight.contiguous(), run_bits)
-    w2 = ext.prepare_weights(w2_qweight.contiguous(), run_bits)
+    if w13_qzeros is None:
+        w13 = ext.prepare_weights(w13_qweight.contiguous(), run_bits)
+        w2 = ext.prepare_weights(w2_qweight.contiguous(), run_bits)
+    else:  # int4 with zero points: the int8 builds on q - z, one GEMM's int8 temporary at a time
+        w13 = ext.prepare_weights(zero_point_weights(w13_qweight, w13_qzeros, group_w13), run_bits)
+        w2 = ext.prepare_weights(zero_point_weights(w2_qweight, w2_qzeros, group_w2), run_bits)
     return HopperState(w13, w2, s13, s2, consts, g13, g2, run_bits)
 
 

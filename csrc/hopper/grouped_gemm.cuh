@@ -79,6 +79,20 @@ using MmaAtomShape = Layout<Shape<_1, _1>>;
 template <int Bits, class Mma = MmaType>
 using LayoutAtomQuant =
     decltype(cutlass::compute_memory_reordering_atom<Mma, MmaAtomShape, typename Weights<Bits>::ValueShuffle>());
+// CUTLASS's reorder_tensor (mixed_dtype_utils.hpp) copies each 16-row block of an expert with 128 threads of one
+// byte each along K, without a bound: where K is not a multiple of that copy's width (kReorderK: 256 int4 values, 128
+// int8) it writes past the expert: N * 64 * Bits / 8 bytes, a K tile a row, on every case run on the host
+// (tests/kernels/hopper_reorder_host.cu, 2026-12-07; the last expert's land on whatever follows the copy). The values it places are right, and LayoutAtomQuant's
+// offsets of k < K are the same for K and for K rounded up to kReorderK (reorder_k): prepare_weights reorders each
+// expert padded to reorder_k(K) and keeps its first N * K * Bits / 8 bytes.
+template <int Bits>
+constexpr int64_t kReorderK = 128 * 8 / Bits;
+
+template <int Bits>
+constexpr int64_t reorder_k(int64_t K) {
+  return (K + kReorderK<Bits> - 1) / kReorderK<Bits> * kReorderK<Bits>;
+}
+
 template <int Bits>
 using LayoutB_Reordered =
     decltype(cute::tile_to_shape(LayoutAtomQuant<Bits>{}, Layout<Shape<int, int, Int<1>>, StrideB>{}));

@@ -46,13 +46,15 @@ WNA16_HOPPER_EXTERN(256, kFp16, false, 8)
 
 // ------------------------------------------------------------------------------------------ preparation
 
-// (E, N, K * Bits / 8) uint8, unsigned with midpoint 2**(Bits-1) -> signed values, reordered per expert into `out`
+// (E, N, Kp * Bits / 8) uint8 signed values (Kp = reorder_k(K)) -> each expert reordered for an (N, Kp) layout into
+// `out` (E, N, Kp * Bits / 8)
 template <int Bits>
-static void reorder_experts(const torch::Tensor& signed_q, torch::Tensor& out, int64_t N, int64_t K) {
-  auto shape_B = cute::make_shape(int(N), int(K), Int<1>{});
-  auto layout_B = make_layout(shape_B, cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(int(N), int(K), 1)));
+static void reorder_experts(const torch::Tensor& signed_q, torch::Tensor& out, int64_t N, int64_t Kp) {
+  TORCH_CHECK(Kp % kReorderK<Bits> == 0, "reorder: K=", Kp, " is not a multiple of ", kReorderK<Bits>);
+  auto shape_B = cute::make_shape(int(N), int(Kp), Int<1>{});
+  auto layout_B = make_layout(shape_B, cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(int(N), int(Kp), 1)));
   auto layout_R = tile_to_shape(LayoutAtomQuant<Bits>{}, shape_B);
-  const int64_t expert_bytes = N * K * Bits / 8;
+  const int64_t expert_bytes = N * Kp * Bits / 8;
   for (int64_t e = 0; e < signed_q.size(0); ++e) {
     auto* src = reinterpret_cast<QuantType<Bits> const*>(signed_q.data_ptr<uint8_t>() + e * expert_bytes);
     auto* dst = reinterpret_cast<QuantType<Bits>*>(out.data_ptr<uint8_t>() + e * expert_bytes);
@@ -71,15 +73,19 @@ torch::Tensor prepare_weights(torch::Tensor qweight, int64_t bits) {
   const int64_t E = qweight.size(0), N = qweight.size(1), K = qweight.size(2) * 8 / bits;
   TORCH_CHECK(N % 128 == 0 && K % kTileK == 0, "N must be a multiple of 128 and K of ", kTileK, " (N=", N,
               ", K=", K, ")");
-  // q - 2**(bits-1) in each value, two's complement
+  const int64_t Kp = bits == 4 ? reorder_k<4>(K) : reorder_k<8>(K);
+  // q - 2**(bits-1) in each value, two's complement; K padded to Kp (the padding's values are never kept)
   auto signed_q = torch::bitwise_xor(qweight, bits == 4 ? 0x88 : 0x80);
+  if (Kp != K) signed_q = torch::constant_pad_nd(signed_q, {0, (Kp - K) * bits / 8}, 0);
   auto out = torch::empty_like(signed_q);
   // CUTLASS's reorder_tensor launches on the legacy default stream and exits the process on any CUDA error,
   // a pending one included: finish this stream's work (the XOR above) and raise a pending error here instead
   C10_CUDA_CHECK(cudaStreamSynchronize(at::cuda::getCurrentCUDAStream()));
   C10_CUDA_CHECK(cudaGetLastError());
-  if (E > 0) bits == 4 ? reorder_experts<4>(signed_q, out, N, K) : reorder_experts<8>(signed_q, out, N, K);
-  return out;
+  if (E > 0) bits == 4 ? reorder_experts<4>(signed_q, out, N, Kp) : reorder_experts<8>(signed_q, out, N, Kp);
+  if (Kp == K) return out;
+  // each expert's (N, K) reorder: the first N * K * bits / 8 bytes of its (N, Kp) one
+  return out.view({E, N * Kp * bits / 8}).narrow(1, 0, N * K * bits / 8).contiguous().view({E, N, K * bits / 8});
 }
 
 // Per-layer constants: every expert's strides and reordered-weight layout (the same for all experts of a

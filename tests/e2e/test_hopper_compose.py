@@ -6,8 +6,8 @@ plugin's other kernels. The vLLM partners are turned off (VLLM_WNA16_PLUS_HUMMIN
 that the hopper kernel takes those batches on any vLLM. The layer must log the hopper copy and generate like the
 float32 reference backend; VLLM_WNA16_PLUS_HOPPER=0 must leave the copy out and generate alike, and
 VLLM_WNA16_PLUS_BACKEND=hopper (every batch on the hopper kernel, decode graphs included) too. A float16 run takes the
-fp16 build under auto; AWQ (zero points, run as int8 q - z) and symmetric int8 checkpoints run the int8 builds where
-named (auto's rule is not yet timed on int8).
+fp16 build under auto; an AWQ checkpoint (zero points, run as int8 q - z) runs the int8 builds under auto and named,
+a symmetric int8 one where named (auto's rule is not yet timed on it: backends/hopper.HOPPER_RULE_FORMS).
 """
 
 from __future__ import annotations
@@ -134,9 +134,15 @@ def _named_hopper_generates_like_the_reference(checkpoint, tmp_path_factory, wha
 
 
 def test_the_hopper_backend_on_an_awq_checkpoint_generates_like_the_reference(awq_checkpoint, tmp_path_factory):
-    """Zero points (AWQ): the hopper copy holds int8 q - z (hopper_ops.zero_point_weights); auto's rule does not take
-    it yet (backends/hopper.hopper_rule_gap), named it runs every batch."""
+    """Zero points (AWQ): the hopper copy holds int8 q - z (hopper_ops.zero_point_weights); named it runs every
+    batch."""
     _named_hopper_generates_like_the_reference(awq_checkpoint, tmp_path_factory, "awq")
+
+
+def test_auto_with_the_hopper_copy_on_an_awq_checkpoint_generates_like_the_reference(awq_checkpoint, tmp_path_factory):
+    """auto's rule takes int4 with zero points (backends/hopper.HOPPER_RULE_FORMS): the AWQ layer holds the int8 q - z
+    copy and hands it the prefill."""
+    _auto_with_the_copy_generates_like_the_reference(awq_checkpoint, tmp_path_factory, "awq")
 
 
 def test_auto_with_the_hopper_copy_in_float16_generates_like_the_reference(checkpoint, tmp_path_factory):

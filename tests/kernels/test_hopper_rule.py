@@ -17,6 +17,7 @@ from vllm_wna16_plugin.backends.hopper import (
     HOPPER_MIN_ROWS,
     HopperBackend,
     hopper_copy_bytes,
+    hopper_rule_gap,
     hopper_scope,
     hopper_takes,
 )
@@ -116,23 +117,26 @@ def test_rule_takes_batches_from_its_rows_per_expert():
     assert not hopper_takes(_problem(gs=32), 4096, SM90)  # out of scope: never
 
 
-@pytest.mark.parametrize(
-    "scheme",
-    [
-        WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ),
-        WNA16Scheme(bits=4, group_size=128, has_zero_point=True, pack_format=PackFormat.AWQ),
-    ],
-    ids=["int8", "int4-zp"],
-)
-def test_auto_hands_an_int8_run_layer_no_batch_until_its_rule_is_timed(scheme):
-    """int8 and int4 with zero points (run as int8) are in the kernel's scope (an explicit request runs them) but
-    outside the rule's fitted bits: auto takes none of their batches and so holds no hopper copy of them."""
-    layer = _problem(scheme=scheme)
+def test_auto_hands_a_symmetric_int8_layer_no_batch_until_its_rule_is_timed():
+    """Symmetric int8 is in the kernel's scope (an explicit request runs it) but not among the rule's timed forms
+    (HOPPER_RULE_FORMS): auto takes none of its batches and so holds no hopper copy of it."""
+    layer = _problem(scheme=WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ))
     assert hopper_scope(layer, SM90) is None
     assert not any(hopper_takes(layer, m, SM90) for m in (256, 1024, 4096, 16384))
-    assert "not yet timed" in compose.hopper_composable(select_backend(layer))
+    assert "not yet" in compose.hopper_composable(select_backend(layer))
     explicit = dataclasses.replace(layer, options=RunOptions(plan_only=True, explicit=True))
     assert HopperBackend().incompatibility_reason(explicit) is None
+
+
+def test_auto_hands_an_int4_zero_point_layer_the_batches_of_the_same_rule():
+    """int4 with zero points (AWQ; run as int8 q - z) takes the symmetric layers' rule, timed on it on the H200: 64
+    rows per hit expert and up."""
+    zp = WNA16Scheme(bits=4, group_size=128, has_zero_point=True, pack_format=PackFormat.AWQ)
+    layer, sym = _problem(scheme=zp), _problem()
+    assert hopper_rule_gap(layer) is None
+    for m in (1, 16, 64, 256, 512, 1024, 4096):
+        assert hopper_takes(layer, m, SM90) == hopper_takes(sym, m, SM90) == (pairs_per_expert(layer, m) >= 64), m
+    assert compose.hopper_composable(select_backend(layer)) is None
 
 
 def test_copy_is_one_more_set_of_the_experts_int4_weights_and_scales_in_groups_of_64():
@@ -268,7 +272,7 @@ def test_hopper_goes_before_marlin_and_after_humming(partner):
 
 def test_hopper_is_not_composed_where_out_of_scope_or_asked_for_another_backend():
     int8 = WNA16Scheme(bits=8, group_size=128, has_zero_point=False, pack_format=PackFormat.GPTQ)
-    assert "not yet timed" in compose.hopper_composable(select_backend(_problem(scheme=int8)))
+    assert "not yet" in compose.hopper_composable(select_backend(_problem(scheme=int8)))
     int8_zp = dataclasses.replace(int8, has_zero_point=True)
     assert "not built" in compose.hopper_composable(select_backend(_problem(scheme=int8_zp)))
     assert "as asked" in compose.hopper_composable(select_backend(_problem(), "triton", "test"))

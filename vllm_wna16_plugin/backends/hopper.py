@@ -48,14 +48,22 @@ ENV_COMPOSE = "VLLM_WNA16_PLUS_HOPPER"  # auto (default): hold the hopper copy w
 # models at prefill (Qwen3-235B M=4096: 893 / 1036), so a layer composed with Humming hands Humming its batches
 # first; one composed with Marlin asks hopper first (HOPPER_BEFORE).
 HOPPER_MIN_ROWS = 64.0  # rows per hit expert (base.pairs_per_expert) from which hopper's tiles win
-# the kernel weight bits (hopper_ops.kernel_bits) the rule was fitted on: int8 layers and int4 ones with zero points
-# (run as int8; both right on the H100 2026-12-06, not yet timed) run hopper only where named
-# (VLLM_WNA16_PLUS_BACKEND=hopper), and auto holds no copy of them
-HOPPER_RULE_BITS = (4,)
+# the layer forms (checkpoint bits, zero points) the rule holds for. int4 with zero points (run as int8 q - z) was
+# timed on the H200 (bench/results/h200/2026-12-06-eda7a88-h200-zp.md, Mixtral-8x7B, Qwen3-30B-A3B and Phi-3.5-MoE at
+# TP 4, M 16-4096; µs, the plugin alone / hopper / Marlin): at 64+ rows per hit expert hopper was the faster on all 7
+# points (Mixtral M=256 317 / 213 / 283, M=1024 593 / 428 / 740; Qwen3-30B M=1024 171 / 163 / 207; Phi M=1024
+# 499 / 253 / 410; every M=4096), below 64 rows the slower on every point timed (Mixtral M=64 198 / 232; Qwen3-30B
+# M=256 102 / 140): the same threshold. Symmetric int8 is not in it: timed on one model only (Mixtral-8x7B, hopper
+# faster from 64 rows: M=256 361 / 219), and an int8 checkpoint run by hopper named left the reference at a decode
+# step on the H200 (tests/e2e/test_hopper_compose.py, not yet explained); VLLM_WNA16_PLUS_BACKEND=hopper runs it
+HOPPER_RULE_FORMS = ((4, False), (4, True))
 # (float16 layers take the same rule as bfloat16 ones: the same wgmma rate and the same bytes; right on the H100
 # 2026-12-06, not timed apart)
 HOPPER_BEFORE = (None, "marlin")  # the partners (None: no partner) whose rule hopper's goes before
-HOPPER_RULE_SOURCE = "hopper rule (backends/hopper.py; H100 dev set 2026-12-06-d23a13c-hopper-dev)"
+HOPPER_RULE_SOURCE = (
+    "hopper rule (backends/hopper.py; H100 dev set 2026-12-06-d23a13c-hopper-dev; "
+    "zero points: H200 2026-12-06-eda7a88-h200-zp)"
+)
 
 
 def hopper_scope(problem: MoEProblem, device=None) -> str | None:
@@ -97,19 +105,18 @@ def hopper_scope(problem: MoEProblem, device=None) -> str | None:
 
 
 def hopper_rule_gap(problem: MoEProblem) -> str | None:
-    """Why auto's rule does not judge this layer (the kernel runs its weights in bits the rule was not fitted on:
-    HOPPER_RULE_BITS, hopper_ops.kernel_bits), or None."""
+    """Why auto's rule does not judge this layer (its form, bits and zero points, is not one the rule was timed on:
+    HOPPER_RULE_FORMS), or None."""
     from vllm_wna16_plugin.kernels.hopper_ops import kernel_bits
 
     scheme = problem.scheme
-    run = kernel_bits(scheme.bits, scheme.has_zero_point)
     form = f"int{scheme.bits}" + (" with zero points" if scheme.has_zero_point else "")
-    if run is None:
+    if kernel_bits(scheme.bits, scheme.has_zero_point) is None:
         return f"{form}: the hopper kernel has no form for it (hopper_scope)"
-    if run not in HOPPER_RULE_BITS:
+    if (scheme.bits, bool(scheme.has_zero_point)) not in HOPPER_RULE_FORMS:
         return (
-            f"{form}: the hopper kernel runs it as int{run}, and its rule is fitted on symmetric int4 layers only "
-            f"(int{run} not yet timed; VLLM_WNA16_PLUS_BACKEND=hopper runs it)"
+            f"{form}: auto's hopper rule is timed on int4 layers (symmetric and with zero points) only ({form} not yet; "
+            "VLLM_WNA16_PLUS_BACKEND=hopper runs it)"
         )
     return None
 

@@ -79,19 +79,17 @@ using MmaAtomShape = Layout<Shape<_1, _1>>;
 template <int Bits, class Mma = MmaType>
 using LayoutAtomQuant =
     decltype(cutlass::compute_memory_reordering_atom<Mma, MmaAtomShape, typename Weights<Bits>::ValueShuffle>());
-// CUTLASS's reorder_tensor (mixed_dtype_utils.hpp) copies each 16-row block of an expert with 128 threads of one
-// byte each along K, without a bound: where K is not a multiple of that copy's width (kReorderK: 256 int4 values, 128
-// int8) it writes past the expert: N * 64 * Bits / 8 bytes, a K tile a row, on every case run on the host
-// (tests/kernels/hopper_reorder_host.cu, 2026-12-07; the last expert's land on whatever follows the copy). The values it places are right, and LayoutAtomQuant's
-// offsets of k < K are the same for K and for K rounded up to kReorderK (reorder_k): prepare_weights reorders each
-// expert padded to reorder_k(K) and keeps its first N * K * Bits / 8 bytes.
-template <int Bits>
-constexpr int64_t kReorderK = 128 * 8 / Bits;
+// CUTLASS's reorder_tensor (mixed_dtype_utils.hpp) copies each 16-row block of an expert with 128 threads along K,
+// without a bound (a thread's one byte holds one int8 value, or two int4 values along N: the reordered layout's stride-1
+// mode is N's): where K is not a multiple of that copy's width, kReorderK = 128 values for int4 and int8 alike, it
+// writes past the expert, N * 64 * Bits / 8 bytes (a K tile a row) on every case run on the host
+// (tests/kernels/hopper_reorder_host.cu, 2026-12-07; the last expert's land on whatever follows the copy). The values
+// it places are right, and LayoutAtomQuant's offsets of k < K are the same for K and for K rounded up to kReorderK
+// (reorder_k: its K tiles are ordered after all of N's, 16 * N values apart): prepare_weights reorders each expert
+// padded to reorder_k(K) and keeps its first N * K * Bits / 8 bytes.
+constexpr int64_t kReorderK = 128;
 
-template <int Bits>
-constexpr int64_t reorder_k(int64_t K) {
-  return (K + kReorderK<Bits> - 1) / kReorderK<Bits> * kReorderK<Bits>;
-}
+constexpr int64_t reorder_k(int64_t K) { return (K + kReorderK - 1) / kReorderK * kReorderK; }
 
 template <int Bits>
 using LayoutB_Reordered =

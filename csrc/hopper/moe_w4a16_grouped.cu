@@ -50,7 +50,7 @@ WNA16_HOPPER_EXTERN(256, kFp16, false, 8)
 // `out` (E, N, Kp * Bits / 8)
 template <int Bits>
 static void reorder_experts(const torch::Tensor& signed_q, torch::Tensor& out, int64_t N, int64_t Kp) {
-  TORCH_CHECK(Kp % kReorderK<Bits> == 0, "reorder: K=", Kp, " is not a multiple of ", kReorderK<Bits>);
+  TORCH_CHECK(Kp % kReorderK == 0, "reorder: K=", Kp, " is not a multiple of ", kReorderK);
   auto shape_B = cute::make_shape(int(N), int(Kp), Int<1>{});
   auto layout_B = make_layout(shape_B, cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(int(N), int(Kp), 1)));
   auto layout_R = tile_to_shape(LayoutAtomQuant<Bits>{}, shape_B);
@@ -73,7 +73,7 @@ torch::Tensor prepare_weights(torch::Tensor qweight, int64_t bits) {
   const int64_t E = qweight.size(0), N = qweight.size(1), K = qweight.size(2) * 8 / bits;
   TORCH_CHECK(N % 128 == 0 && K % kTileK == 0, "N must be a multiple of 128 and K of ", kTileK, " (N=", N,
               ", K=", K, ")");
-  const int64_t Kp = bits == 4 ? reorder_k<4>(K) : reorder_k<8>(K);
+  const int64_t Kp = reorder_k(K);
   // q - 2**(bits-1) in each value, two's complement; K padded to Kp (the padding's values are never kept)
   auto signed_q = torch::bitwise_xor(qweight, bits == 4 ? 0x88 : 0x80);
   if (Kp != K) signed_q = torch::constant_pad_nd(signed_q, {0, (Kp - K) * bits / 8}, 0);

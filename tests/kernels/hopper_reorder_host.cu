@@ -60,7 +60,7 @@ static long changed(const std::vector<uint8_t>& buf, long from, long to, uint8_t
 template <int Bits>
 static void run(int N, int K) {
   using T = QuantType<Bits>;
-  const long bytes = long(N) * K * Bits / 8, Kp = reorder_k<Bits>(K), padded = long(N) * Kp * Bits / 8;
+  const long bytes = long(N) * K * Bits / 8, Kp = reorder_k(K), padded = long(N) * Kp * Bits / 8;
   const long slack = padded - bytes + 4096;
   const uint8_t canary = 0xA5;
   std::vector<uint8_t> src(padded + slack, 0);

@@ -279,7 +279,10 @@ def test_compute_sanitizer_is_clean(tool):
     )
     if exe is None:
         pytest.skip("compute-sanitizer is not on PATH")
-    cmd = [exe, f"--tool={tool}", "--error-exitcode=99", sys.executable, "-c", SANITIZED]
+    # memcheck: 64 KiB of padding after every allocation, so that a write up to that far past one (the reorder's was
+    # N * 64 * bits / 8 bytes) lands in no neighbour
+    padding = ["--padding=65536"] if tool == "memcheck" else []
+    cmd = [exe, f"--tool={tool}", *padding, "--error-exitcode=99", sys.executable, "-c", SANITIZED]
     # every tensor its own allocation, so that a write past one is outside any (PyTorch's caching allocator would
     # hide it inside its segment)
     env = dict(os.environ, TRITON_INTERPRET="0", PYTORCH_NO_CUDA_MEMORY_CACHING="1")

@@ -139,15 +139,45 @@ def test_every_token_tile_matches_reference(tile, zp, bits, dtype):
     assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), dtype, f"tile {tile}")
 
 
+@pytest.mark.parametrize("kernel_group", [64, 128])
 @pytest.mark.parametrize("M", [16, 32, 48, 64])
-def test_many_routings_of_a_many_expert_layer_match_reference(M):
+def test_many_routings_of_a_many_expert_layer_match_reference(M, kernel_group):
     """20 routings each of the layer whose groups of 128 once gave a wrong row (bench/hopper_group_diag.py):
-    E=128, top_k=8, many experts with one to a few rows, on the backend's groups of 64. Every element checked."""
+    E=128, top_k=8, many experts with one to a few rows, with the scales in the kernel in groups of 64 (the
+    backend's) and of 128 (GEMM1's own groups; GEMM2's stay 64). Every element checked."""
+    from vllm_wna16_plugin.kernels import hopper_ops
+
     for seed in range(20):
         p = make_moe_problem(M=M, H=2048, I=192, E=128, top_k=8, bits=4, gs1=128, gs2=64, seed=100 * M + seed)
         args, kw = _cuda(p)
-        out = fused_moe_wna16(*args, group_size=(128, 64), backend="hopper", **kw)
+        x, w13, w2, s13, s2, topk_w, topk_ids = args
+        state = hopper_ops.prepare(w13, w2, s13, s2, 128, 64, kernel_group=kernel_group)
+        out = hopper_ops.fused_moe_hopper(
+            x, state, topk_w, topk_ids, hopper_ops.HopperLaunch(hopper_ops.token_tile(M * 8 / 128))
+        )
         assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), BF16, f"M={M} seed={seed}")
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("zp", "bits"), [(False, 4), (True, 4), (False, 8)], ids=["sym", "zp", "int8"])
+@pytest.mark.parametrize("M", [1, 64, 300, 1100])
+@pytest.mark.parametrize(
+    "H, I, E, top_k", [(1024, 512, 8, 2), (2048, 768, 16, 8), (2048, 256, 64, 4)], ids=["e8", "e16", "e64"]
+)
+def test_groups_of_128_in_the_kernel_match_reference(H, I, E, top_k, M, zp, bits, dtype):  # noqa: E741
+    """Groups of 128 laid out as such in the kernel (CUTLASS's scale reload factor 2), not repeated to groups of 64:
+    every form and dtype, the plan's tile for M. The evidence for hopper_ops.kernel_group."""
+    from vllm_wna16_plugin.kernels import hopper_ops
+
+    p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=bits, gs1=128, zp=zp, dtype=dtype, seed=7 * M + E)
+    args, kw = _cuda(p)
+    x, w13, w2, s13, s2, topk_w, topk_ids = args
+    state = hopper_ops.prepare(w13, w2, s13, s2, 128, 128, w13_qzeros=kw["w13_qzeros"], w2_qzeros=kw["w2_qzeros"],
+                               bits=bits, kernel_group=128)  # fmt: skip
+    assert state.s13.shape[1] == H // 128 and state.s2.shape[1] == I // 128
+    tile = hopper_ops.token_tile(M * top_k / E, hopper_ops.built_tiles(dtype, zp, bits))
+    out = hopper_ops.fused_moe_hopper(x, state, topk_w, topk_ids, hopper_ops.HopperLaunch(tile))
+    assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), dtype, f"groups of 128 M={M}")
 
 
 @pytest.mark.xfail(reason="groups of 128 in the kernel: one wrong row on this routing (H100, d47488b), likely the "

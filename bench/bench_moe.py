@@ -296,7 +296,8 @@ DELEGATED = {"vllm-marlin": "marlin", "vllm-humming": "humming"}
 # without Humming (0.26-0.32)
 COMPOSED = {"auto-composed": "humming", "auto-marlin": "marlin"}
 # plugin-auto-hopper: auto with the hopper kernel's copy (compose.with_hopper), no vLLM partner; -composed-hopper /
-# -marlin-hopper: beside that partner (what a layer loaded under auto runs on sm90 where the kernel is built);
+# -marlin-hopper: beside that partner (what a layer loaded under auto runs on sm90 where the kernel is built: the
+# partner alone where the hopper copy is not kept, e.g. beside Humming, compose.hopper_composable);
 # plugin-hopper runs the hopper kernel at every batch size
 WITH_HOPPER = ("auto-hopper", "auto-composed-hopper", "auto-marlin-hopper")
 
@@ -345,8 +346,10 @@ def plugin_backend(prov: str, x, w: Weights, topk_ids, gs: int, *, bits: int = 4
             selection = compose_with(selection, partner)
     if hopper:
         if reason := hopper_composable(selection):
-            raise NotApplicable(f"not composed with the hopper kernel: {reason}")
-        selection = with_hopper(selection)
+            if not selection.problem.options.compose_with:  # beside a partner the layer keeps it alone, as loading
+                raise NotApplicable(f"not composed with the hopper kernel: {reason}")
+        else:
+            selection = with_hopper(selection)
     return LayerRunner(selection, kernel_tensors(w))
 
 

@@ -120,9 +120,10 @@ def hopper_composable(selection: Selection, max_tokens: int | None = None) -> st
     """Why auto cannot hand some of this layer's batches to the hopper kernel, or None when it can: an auto cuda /
     triton layer in the kernel's scope (backends/hopper.hopper_scope) with the extension built, whose rule (fitted on
     the layer's bits: hopper_rule_gap) takes
-    at least one batch size of HOPPER_PROBE_SIZES up to max_tokens (the engine's token budget per step: a copy
-    no batch can use is not kept)."""
-    from vllm_wna16_plugin.backends.hopper import hopper_rule_gap, hopper_scope, hopper_takes
+    at least one batch size of HOPPER_PROBE_SIZES up to max_tokens (the engine's token budget per step) that the
+    layer's partner, where its rule goes first (backends/hopper.HOPPER_BEFORE), leaves: a copy no batch can use is
+    not kept."""
+    from vllm_wna16_plugin.backends.hopper import HOPPER_BEFORE, hopper_rule_gap, hopper_scope, hopper_takes
 
     problem = selection.problem
     if selection.requested != "auto":
@@ -138,9 +139,12 @@ def hopper_composable(selection: Selection, max_tokens: int | None = None) -> st
         if reason := extension_error():
             return reason
     sizes = [m for m in HOPPER_PROBE_SIZES if max_tokens is None or m <= max_tokens] or [max_tokens]
-    if not any(hopper_takes(problem, m, device) for m in sizes):
+    name = problem.options.compose_with
+    first = partner_named(name) if name not in HOPPER_BEFORE else None
+    if not any(hopper_takes(problem, m, device) and not (first and first.takes(problem, m, device)) for m in sizes):
         budget = "" if max_tokens is None else f" up to the engine's {max_tokens} tokens a step"
-        return f"its rule takes none of the layer's batch sizes{budget}"
+        left = f" that {first.label}'s (composed, its rule first) does not" if first else ""
+        return f"its rule takes none of the layer's batch sizes{budget}{left}"
     return None
 
 

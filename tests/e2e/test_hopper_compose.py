@@ -160,10 +160,11 @@ def int8_checkpoint(checkpoint):
                            hidden=2048, intermediate=2048, experts=8, top_k=2, layers=2)  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", ["hopper", "triton"])
+@pytest.mark.parametrize("backend", ["hopper", "triton", "marlin"])
 def test_a_named_backend_on_an_int8_checkpoint_generates_like_the_reference(int8_checkpoint, tmp_path_factory, backend):
     """int8 is in the kernel's scope but not yet in auto's rule (backends/hopper.hopper_rule_gap): named
-    (VLLM_WNA16_PLUS_BACKEND=hopper), every batch, decode graphs included, runs the int8 build. The Triton backend on
-    the same checkpoint is the control: where both leave the reference, the checkpoint's greedy path has a near-tie
-    that the agreement check's top log-probs do not hold, not a hopper fault (an H200 run diverged at step 12)."""
+    (VLLM_WNA16_PLUS_BACKEND=hopper), every batch, decode graphs included, runs the int8 build. The controls on the
+    same checkpoint: Triton (scales applied to the fp32 accumulator) generated like the reference where hopper left it
+    at step 12 (H200 and H100 alike, docs/perf/hopper-path.md); Marlin dequantizes to bf16 as CUTLASS's scale mode
+    does."""
     _named_backend_generates_like_the_reference(int8_checkpoint, tmp_path_factory, f"int8-{backend}", backend)

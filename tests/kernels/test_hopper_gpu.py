@@ -143,8 +143,9 @@ def test_every_token_tile_matches_reference(tile, zp, bits, dtype):
 @pytest.mark.parametrize("M", [16, 32, 48, 64])
 def test_many_routings_of_a_many_expert_layer_match_reference(M, kernel_group):
     """20 routings each of the layer whose groups of 128 once gave a wrong row (bench/hopper_group_diag.py):
-    E=128, top_k=8, many experts with one to a few rows, with the scales in the kernel in groups of 64 (the
-    backend's) and of 128 (GEMM1's own groups; GEMM2's stay 64). Every element checked."""
+    E=128, top_k=8, many experts with one to a few rows, with GEMM1's scales in the kernel in groups of 64 (each
+    repeated twice) and of 128 (its own: the backend's, hopper_ops.kernel_group_size); GEMM2's stay 64. Every element
+    checked."""
     from vllm_wna16_plugin.kernels import hopper_ops
 
     for seed in range(20):
@@ -166,7 +167,8 @@ def test_many_routings_of_a_many_expert_layer_match_reference(M, kernel_group):
 )
 def test_groups_of_128_in_the_kernel_match_reference(H, I, E, top_k, M, zp, bits, dtype):  # noqa: E741
     """Groups of 128 laid out as such in the kernel (CUTLASS's scale reload factor 2), not repeated to groups of 64:
-    every form and dtype, the plan's tile for M. The evidence for hopper_ops.kernel_group."""
+    every form and dtype, the plan's tile for M (hopper_ops.kernel_group_size's evidence, also the backend's default
+    since)."""
     from vllm_wna16_plugin.kernels import hopper_ops
 
     p = make_moe_problem(M=M, H=H, I=I, E=E, top_k=top_k, bits=bits, gs1=128, zp=zp, dtype=dtype, seed=7 * M + E)
@@ -178,21 +180,6 @@ def test_groups_of_128_in_the_kernel_match_reference(H, I, E, top_k, M, zp, bits
     tile = hopper_ops.token_tile(M * top_k / E, hopper_ops.built_tiles(dtype, zp, bits))
     out = hopper_ops.fused_moe_hopper(x, state, topk_w, topk_ids, hopper_ops.HopperLaunch(tile))
     assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), dtype, f"groups of 128 M={M}")
-
-
-@pytest.mark.xfail(reason="groups of 128 in the kernel: one wrong row on this routing (H100, d47488b), likely the "
-                   "reorder's write past the last expert (I=192: grouped_gemm.cuh kReorderK), fixed since; right on 36 "
-                   "checks after the fix (bench/hopper_layer_diag.py int4-g128, H100) but not yet run here; the backend "
-                   "repeats its scales to groups of 64 until it is (docs/perf/hopper-path.md)", strict=False)  # fmt: skip
-def test_the_group_128_fault_still_shows_when_asked_for():
-    from vllm_wna16_plugin.kernels import hopper_ops
-
-    p = make_moe_problem(M=32, H=2048, I=192, E=128, top_k=8, bits=4, gs1=128, gs2=64, seed=0)
-    args, kw = _cuda(p)
-    x, w13, w2, s13, s2, topk_w, topk_ids = args
-    state = hopper_ops.prepare(w13, w2, s13, s2, 128, 64, kernel_group=128)
-    out = hopper_ops.fused_moe_hopper(x, state, topk_w, topk_ids, hopper_ops.HopperLaunch(32))
-    assert_close_scaled(out.cpu(), fused_moe_wna16_ref(*args, **kw).cpu(), BF16, "groups of 128 in the kernel")
 
 
 def _runner(args, *, hopper: bool, explicit: bool):

@@ -139,11 +139,16 @@ def test_auto_hands_an_int4_zero_point_layer_the_batches_of_the_same_rule():
     assert compose.hopper_composable(select_backend(layer)) is None
 
 
-def test_copy_is_one_more_set_of_the_experts_int4_weights_and_scales_in_groups_of_64():
+def test_copy_is_one_more_set_of_the_experts_int4_weights_and_scales_in_the_kernels_groups():
+    """Groups of 64 and of 128 are kept as they are (hopper_ops.kernel_group_size), groups of 192 repeated to 64."""
     p = _problem(gs=64)
     assert hopper_copy_bytes(p) == int(p.num_experts * expert_bytes(p))
     e, h, i = 8, 4096, 3584
-    assert hopper_copy_bytes(_problem()) == e * (3 * h * i // 2 + 2 * (2 * i * h // 64 + h * i // 64))
+    for gs, kernel_group in ((128, 128), (64, 64)):
+        scales = 2 * (2 * i * h // kernel_group + h * i // kernel_group)
+        assert hopper_copy_bytes(_problem(gs=gs)) == e * (3 * h * i // 2 + scales)
+    g192 = _problem(H=3072, I=1536, gs=192)
+    assert hopper_copy_bytes(g192) == e * (3 * 3072 * 1536 // 2 + 2 * 3 * 3072 * 1536 // 64)
 
 
 def test_a_zero_point_copy_holds_int8_weights():
@@ -212,16 +217,30 @@ def test_zero_point_weights_give_the_zero_point_layer_as_int8(group):
     assert torch.equal((u.float() - 128) * s, want)
 
 
-@pytest.mark.parametrize("group", [64, 128, 256, 4096])
-def test_kernel_scales_repeat_each_group_over_its_k_tiles(group):
-    from vllm_wna16_plugin.kernels.hopper_ops import KERNEL_GROUP, kernel_scales
+@pytest.mark.parametrize(("group", "kernel_group"), [(64, 64), (128, 128), (192, 64), (256, 128), (4096, 128)])
+def test_kernel_scales_repeat_each_group_over_its_scale_rows(group, kernel_group):
+    from vllm_wna16_plugin.kernels.hopper_ops import kernel_group_size, kernel_scales
 
-    k, n = 4096, 256
+    assert kernel_group_size(group) == kernel_group
+    k, n = 4096 if group != 192 else 3072, 256
     scales = torch.randn(3, n, k // group)
-    table = kernel_scales(scales, group)
-    assert table.shape == (3, k // KERNEL_GROUP, n) and table.is_contiguous()
-    tile = torch.arange(k // KERNEL_GROUP)
-    assert torch.equal(table, scales[:, :, tile * KERNEL_GROUP // group].transpose(1, 2))
+    table = kernel_scales(scales, group, kernel_group)
+    assert table.shape == (3, k // kernel_group, n) and table.is_contiguous()
+    row = torch.arange(k // kernel_group)
+    assert torch.equal(table, scales[:, :, row * kernel_group // group].transpose(1, 2))
+
+
+@pytest.mark.parametrize("group", [64, 128, 192, 320, 384, 1024])
+def test_the_kernel_group_is_the_largest_built_one_dividing_the_checkpoints(group):
+    """Every legal group size (hopper_scope: a multiple of K_TILE; channel-wise: K) gets a kernel group that divides it,
+    the larger of KERNEL_GROUPS where both do."""
+    from vllm_wna16_plugin.kernels.hopper_ops import K_TILE, KERNEL_GROUPS, kernel_group_size
+
+    g = kernel_group_size(group)
+    assert g in KERNEL_GROUPS and group % g == 0
+    assert all(group % larger for larger in KERNEL_GROUPS if larger > g)
+    assert K_TILE in KERNEL_GROUPS and min(KERNEL_GROUPS) == K_TILE
+    assert kernel_group_size(32) == 32  # out of scope (hopper_scope refuses it), counted as it is
 
 
 def test_auto_never_picks_hopper_alone_but_an_explicit_request_does():
@@ -268,6 +287,16 @@ def test_hopper_goes_before_marlin_and_after_humming(partner):
         want = first if (theirs, ours)[first == "hopper"] else second if (theirs, ours)[second == "hopper"] else None
         assert backend == (want or backend) and (want is not None or backend in ("cuda", "triton")), (m, backend)
     assert both  # the order mattered on this layer
+
+
+def test_no_hopper_copy_where_the_partner_whose_rule_goes_first_takes_all_its_batches():
+    """Humming's rule goes first and takes every batch of 64+ rows per hit expert (its prefill clause), so a layer
+    composed with Humming keeps no hopper copy; composed with Marlin (hopper first) or with no partner it does."""
+    sel = select_backend(_problem())
+    with_humming = compose.compose_with(sel, "humming")
+    assert "that Humming's (composed, its rule first) does not" in compose.hopper_composable(with_humming)
+    assert compose.hopper_composable(compose.compose_with(sel, "marlin")) is None
+    assert compose.hopper_composable(sel) is None
 
 
 def test_hopper_is_not_composed_where_out_of_scope_or_asked_for_another_backend():

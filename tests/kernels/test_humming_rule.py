@@ -157,6 +157,35 @@ def test_a_composed_layer_plans_humming_where_the_rule_takes_it_and_its_own_kern
     assert plan(selection.problem, 64, H200, selection=selection).backend == "cuda"
 
 
+def test_humming_takes_the_prefill_of_a_layer_reading_little():
+    """granite-3.1-3b-a800m at TP 4 (E=40, top 8, H=1536, I=128; 12 MB): under the bytes bar at every M, Humming's from
+    64 rows per hit expert (HUMMING_PREFILL_ROWS: M >= 320), so the layer is composed with it for prefill."""
+    granite = problem_of(40, 8, 1536, 128)
+    assert experts_read(granite, 4096) < 20e6
+    assert [m for m in (1, 16, 256, 319, 320, 1024, 4096) if humming_takes(granite, m, H200)] == [320, 1024, 4096]
+    selection = select_backend(granite)
+    assert composable_with_humming(selection) is None
+    composed = compose_with(selection, "humming")
+    assert plan(composed.problem, 1024, H200, selection=composed).backend == "humming"
+    assert plan(composed.problem, 256, H200, selection=composed).backend in ("cuda", "triton")
+
+
+def test_humming_was_the_faster_at_prefill_on_every_development_model():
+    """The prefill clause's evidence (H100 dev run, every dev model at TP 4): at M=1024 and 4096, where the rule takes
+    Humming, Humming's time was below the plugin's own (plugin-auto) on every point."""
+    shapes = {name: shape for name, (_, shape) in catalog_shapes().items()}
+    times: dict[tuple[str, int], dict[str, float]] = {}
+    with open(ROOT / "bench" / "results" / "h100" / "2026-12-07-21a66c2-h100-dev-composed.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            if r["median_us"] and int(r["M"]) >= 1024:
+                times.setdefault((r["shape"], int(r["M"])), {})[r["provider"]] = float(r["median_us"])
+    assert len(times) == 16
+    for (name, m), t in times.items():
+        s = shapes[name]
+        assert humming_takes(problem_of(s.E, s.top_k, s.H, s.I, s.gs, gs2=s.group_w2), m, H200), (name, m)
+        assert t["vllm-humming"] < t["plugin-auto"], (name, m, t)
+
+
 def composable_with_humming(selection):
     return _composable_with(selection, "humming")
 
@@ -166,7 +195,8 @@ def test_what_is_never_composed_says_why():
     assert "as asked" in composable_with_humming(explicit)
     zero_points = select_backend(problem_of(128, 8, 2048, 768, zp=True))
     assert "does not speak" in composable_with_humming(zero_points)
-    tiny = select_backend(problem_of(40, 8, 1536, 32))  # reads under 20 MB at every batch size
+    # 256 experts of 49 KB, top 2: under 20 MB and 64 rows per hit expert at every probed batch size (M <= 512)
+    tiny = select_backend(problem_of(256, 2, 512, 64, gs=64))
     assert "none of its batch sizes" in composable_with_humming(tiny)
     cpu = select_backend(dataclasses.replace(problem_of(128, 8, 2048, 768), platform="cpu", sm=None))
     assert composable_with_humming(cpu)

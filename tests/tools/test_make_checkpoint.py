@@ -634,3 +634,23 @@ def test_a_failed_write_leaves_no_new_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(mk, "write_checkpoint", fail)
     assert main(["make-checkpoint", str(tmp_path / "new"), "--format", "gptq"]) == 2  # reported, not raised
     assert not (tmp_path / "new").exists()
+
+
+def test_without_the_float_reference_the_same_model_is_written_and_larger_sizes_fit(tmp_path):
+    """float_reference=False (bench/e2e.py's many-layer checkpoints): model.safetensors byte-identical to the default's,
+    the reference file holds the spec only, load_reference refuses it by name, and a size over the cap with the float
+    reference fits without it; the cap's message names the way out."""
+    from vllm_wna16_plugin.tools.cli import main
+
+    a = mc.make_checkpoint(tmp_path / "a", fmt="gptq", seed=5, **TINY)
+    b = mc.make_checkpoint(tmp_path / "b", fmt="gptq", seed=5, float_reference=False, **TINY)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert mc.load_reference(a) and not mc.load_spec(b).float_reference
+    with pytest.raises(ValueError, match=r"without its float reference \(make-checkpoint --no-float-reference\)"):
+        mc.load_reference(b)
+    big = dict(fmt="gptq", experts=128, hidden=2048, intermediate=768, layers=16)
+    with pytest.raises(ValueError, match=r"would write about .* GiB .*float_reference=False"):
+        mc.CheckpointSpec(**big)
+    assert mc.CheckpointSpec(**big, float_reference=False).written_bytes < mc.MAX_WRITTEN_BYTES  # 4.8 GB of int4
+    assert main(["make-checkpoint", str(tmp_path / "c"), "--format", "gptq", "--no-float-reference"]) == 0
+    assert not mc.load_spec(tmp_path / "c").float_reference

@@ -140,15 +140,16 @@ def hopper_tile(problem: MoEProblem, rows_per_expert: float) -> int:
 
 def hopper_copy_bytes(problem: MoEProblem) -> int:
     """Bytes of the hopper copy of a layer: both GEMMs' weights in the kernel's bits (hopper_ops.kernel_bits: int4 with
-    zero points as int8) and 16-bit scales of every local expert, the scales in groups of hopper_ops.KERNEL_GROUP."""
-    from vllm_wna16_plugin.kernels.hopper_ops import KERNEL_GROUP, kernel_bits
+    zero points as int8) and 16-bit scales of every local expert, the scales in the kernel's groups
+    (hopper_ops.kernel_group_size)."""
+    from vllm_wna16_plugin.kernels.hopper_ops import kernel_bits, kernel_group_size
 
     scheme = problem.scheme
     run = kernel_bits(scheme.bits, scheme.has_zero_point) or scheme.bits
     kernel = dataclasses.replace(
         problem,
-        group_size_w13=KERNEL_GROUP,
-        group_size_w2=KERNEL_GROUP,
+        group_size_w13=kernel_group_size(problem.group_size_w13),
+        group_size_w2=kernel_group_size(problem.group_size_w2),
         scheme=dataclasses.replace(scheme, bits=run, has_zero_point=False),
     )
     return int(problem.num_experts * expert_bytes(kernel))

@@ -51,6 +51,7 @@ from vllm_wna16_plugin.backends.base import (
     composition_scope,
     experts_read,
     half_precision_reason,
+    pairs_per_expert,
 )
 
 logger = _vllm.init_logger(__name__)
@@ -292,6 +293,16 @@ HUMMING_MIN_BYTES = 20e6
 # M=4 ones and the plugin's own M=2 times (run stream3) sit nearer its M=1 ones (Qwen3-30B-A3B: 20 / 29 / 48 µs
 # at M=1 / 2 / 4 against Humming's 29 / - / 46)
 HUMMING_M1_BAR_UP_TO = 2
+# Prefill, whatever the call reads: from 64 rows per hit expert (base.pairs_per_expert) Humming was the faster on
+# every development point timed (H100, vLLM 0.34.0, bench/results/h100/2026-12-07-21a66c2-h100-dev-composed.md, the
+# 8 dev models at TP 4, M=1024 and 4096, 64-1024 rows on each): faster than the plugin's own kernels on all 16
+# (plugin / Humming µs: Qwen3-235B-A22B M=1024 472 / 298, Qwen3-30B-A3B M=4096 459 / 429) and than the hopper
+# kernel on 7 of the 10 it can run (Qwen3-235B M=4096 1052 / 898; hopper ahead by at most 7%: Phi-3.5-MoE M=1024
+# 236 / 253). The bytes bar above alone left the prefill of layers reading less than 20 MB to the plugin: on the
+# validation set (H200, bench/results/h200/2026-12-06-eda7a88-h200-val-composed.md: where the miss was seen, so not
+# an independent check) granite-3.1-3b-a800m at TP 4 (12 MB) ran M=1024 / 4096 on the hopper copy in 90.9 / 261 µs
+# against Humming's 72.3 / 242.
+HUMMING_PREFILL_ROWS = 64.0
 HUMMING_RULE_SOURCE = "Humming rule (backends/humming.py; H200 dev set 2026-12-05-c410069-dev, validated on -val4)"
 ENV_COMPOSE = "VLLM_WNA16_PLUS_HUMMING"  # auto (default): compose while memory allows; 1: always; 0: never
 
@@ -319,9 +330,12 @@ humming_rule_applies = composition_scope
 
 def humming_takes(problem: MoEProblem, m: int, device) -> bool:
     """Whether auto runs `m` tokens of this layer on Humming (the rule above): the expert weights a call
-    of m tokens reads (experts_read) above HUMMING_M1_MIN_BYTES (m <= 2) or HUMMING_MIN_BYTES."""
+    of m tokens reads (experts_read) above HUMMING_M1_MIN_BYTES (m <= 2) or HUMMING_MIN_BYTES, or at least
+    HUMMING_PREFILL_ROWS rows per hit expert (prefill)."""
     if humming_rule_applies(problem, device):
         return False
+    if pairs_per_expert(problem, m) >= HUMMING_PREFILL_ROWS:
+        return True
     return experts_read(problem, m) > (HUMMING_M1_MIN_BYTES if m <= HUMMING_M1_BAR_UP_TO else HUMMING_MIN_BYTES)
 
 

@@ -82,9 +82,9 @@ class HopperLaunch:
 @dataclass
 class HopperState:
     """A layer's copy for the hopper kernel: w13 (E, 2I, H * bits / 8) and w2 (E, H, I * bits / 8) signed and
-    reordered (prepare_weights; bits: the kernel's, kernel_bits), scales (E, K / KERNEL_GROUP, N) contiguous in the
+    reordered (prepare_weights; bits: the kernel's, kernel_bits), scales (E, K / group, N) contiguous in the
     activation dtype (kernel_scales), the per-expert strides and layouts of both GEMMs (consts), and the kernel's
-    group sizes (KERNEL_GROUP)."""
+    group sizes (kernel_group_size)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -122,18 +122,30 @@ def extension_error() -> str | None:
     return static_libstdcxx_error(_extension().__file__)
 
 
-# The group size the kernel's scales are laid out in, whatever the checkpoint's: one scale row per K tile. With
-# groups of 128 (two K tiles a scale row, CUTLASS's "reload factor" 2) GEMM1 of a Qwen3-30B-A3B-shaped layer at TP 4
-# (H=2048, E=128, top_k=8) returned one wrong token row of 32 on the H100 (2026-12-06, relative error 0.024 against
-# 0.003), where the same weights with their scales repeated to groups of 64 were right on every case
-# (tests/kernels/test_hopper_gpu.py): every table is repeated to groups of K_TILE at prepare (group 128: twice the
-# scale bytes, about 3% of an int4 layer's).
-KERNEL_GROUP = K_TILE
+# The scales' group sizes the kernel takes: one scale row per K tile (64) or per two (128, CUTLASS's scale "reload
+# factor" 2). Groups of 128 were once repeated to 64 everywhere after one wrong token row of 32 on the H100 (GEMM1
+# of a Qwen3-30B-A3B-shaped layer at TP 4, 2026-12-06, docs/perf/hopper-path.md); that layer's I=192 was the
+# reorder's write past the last expert (grouped_gemm.cuh kReorderK), fixed since. After the fix (H100, 21a66c2,
+# tests/kernels/test_hopper_gpu.py) groups of 128 in the kernel were right on 80 routings of that layer (M 16-64)
+# and on 72 cases of every form (int4, zero points, int8) and dtype at M 1-1100, as on 36 checks of
+# bench/hopper_layer_diag.py before: half the scale bytes of groups of 64.
+KERNEL_GROUPS = (2 * K_TILE, K_TILE)
 
 
-def kernel_scales(scales: torch.Tensor, group_size: int, kernel_group: int = KERNEL_GROUP) -> torch.Tensor:
+def kernel_group_size(group_size: int) -> int:
+    """The group size of a GEMM's scales in the kernel for the checkpoint's `group_size` along K (a multiple of
+    K_TILE dividing K, or K: channel-wise):
+
+        kernel group = the largest of KERNEL_GROUPS (128, 64) dividing group_size
+
+    each checkpoint group's scale is repeated over its group_size / kernel group scale rows (kernel_scales). A
+    group size none divides (out of the kernel's scope: backends/hopper.hopper_scope) is its own."""
+    return next((g for g in KERNEL_GROUPS if group_size % g == 0), group_size)
+
+
+def kernel_scales(scales: torch.Tensor, group_size: int, kernel_group: int) -> torch.Tensor:
     """(E, N, K / group_size) scales -> the kernel's (E, K / kernel_group, N), N contiguous: each group's scale
-    repeated over its group_size / kernel_group K tiles (group_size: a multiple of kernel_group, or K)."""
+    repeated over its group_size / kernel_group scale rows (group_size: a multiple of kernel_group)."""
     repeat = group_size // kernel_group
     table = scales.repeat_interleave(repeat, dim=-1) if repeat > 1 else scales
     return table.transpose(1, 2).contiguous()
@@ -168,7 +180,7 @@ def prepare(
     *,
     w13_qzeros: torch.Tensor | None = None,
     w2_qzeros: torch.Tensor | None = None,
-    kernel_group: int = KERNEL_GROUP,
+    kernel_group: int | None = None,
     dtype: torch.dtype | None = None,
     bits: int = 4,
 ) -> HopperState:
@@ -176,9 +188,9 @@ def prepare(
     scales (E, N, G) with groups of group_w13 / group_w2 along K; zero points (E, N * bits / 8, G) or None:
     symmetric). A new copy of the weights (their signed, reordered form; int4 with zero points as int8 q - z:
     zero_point_weights) and of the scales (kernel_scales).
-    kernel_group: the scales' group size in the kernel; anything but KERNEL_GROUP is for the diagnosis of the
-    group-128 fault only (bench/hopper_group_diag.py). dtype: the layer's activation dtype (bf16 or fp16), which the
-    kernel reads the scales in (default: the scales' own)."""
+    kernel_group: the scales' group size in the kernel for both GEMMs (at most each GEMM's own; tests and
+    bench/hopper_layer_diag.py), default kernel_group_size of each. dtype: the layer's activation dtype (bf16 or
+    fp16), which the kernel reads the scales in (default: the scales' own)."""
     if (w13_qzeros is None) != (w2_qzeros is None):
         raise ValueError("zero points: give both GEMMs' (w13_qzeros and w2_qzeros) or neither")
     run_bits = kernel_bits(bits, w13_qzeros is not None)
@@ -187,7 +199,10 @@ def prepare(
     ext = _extension()
     e, n1, _ = w13_qweight.shape
     h, inter = w2_qweight.shape[1], n1 // 2
-    g13, g2 = min(kernel_group, group_w13), min(kernel_group, group_w2)
+    if kernel_group is None:
+        g13, g2 = kernel_group_size(group_w13), kernel_group_size(group_w2)
+    else:
+        g13, g2 = min(kernel_group, group_w13), min(kernel_group, group_w2)
     s13 = kernel_scales(w13_scales, group_w13, g13).to(dtype or w13_scales.dtype)
     s2 = kernel_scales(w2_scales, group_w2, g2).to(dtype or w2_scales.dtype)
     consts = ext.layer_constants(e, n1, h, h, inter, s13.shape[1], s2.shape[1], run_bits, w13_qweight.device)
@@ -223,7 +238,7 @@ __all__ = [
     "BUILT_TILES",
     "HopperLaunch",
     "HopperState",
-    "KERNEL_GROUP",
+    "KERNEL_GROUPS",
     "K_TILE",
     "N_TILE",
     "TILE_WIDTHS",
@@ -231,6 +246,7 @@ __all__ = [
     "built_tiles",
     "fused_moe_hopper",
     "kernel_bits",
+    "kernel_group_size",
     "kernel_scales",
     "prepare",
     "token_tile",

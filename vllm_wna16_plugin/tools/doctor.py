@@ -683,8 +683,12 @@ def _hopper_line(device, selection) -> str:
     composed = compose.with_hopper(selection)
     takes = [m for m in BATCH_SIZES
              if launch_plan(composed.problem, m, device, selection=composed).backend == "hopper"]  # fmt: skip
-    return (f"with the hopper kernel where memory allows ({ENV_COMPOSE}; {here}): M={', '.join(map(str, takes))} "
-            "run on hopper, before Marlin's batches and after Humming's where either is composed")  # fmt: skip
+    line = (f"with the hopper kernel where memory allows ({ENV_COMPOSE}; {here}): M={', '.join(map(str, takes))} "
+            "run on hopper, alone or before Marlin's batches")  # fmt: skip
+    if compose.composable_with(selection, "humming") is None:  # Humming's rule goes first (backends/hopper.py)
+        beside = compose.hopper_composable(compose.compose_with(selection, "humming"))
+        line += f"; composed with Humming: {'no hopper copy (' + beside + ')' if beside else 'after its batches'}"
+    return line
 
 
 def plan(model_dir: str | Path, tp: int = 1, device: str = "sm90", launch_configs: bool = True,

@@ -15,6 +15,9 @@ transformers read as they read a real quantized checkpoint:
                                 experts; `layers.{i}.w13_float` / `w2_float`, the floats before
                                 quantization. In a subfolder, because vLLM globs only
                                 `<dir>/*.safetensors` (default_loader, non-recursive).
+                                With float_reference=False (--no-float-reference: a large
+                                checkpoint for throughput only) it holds no tensors, only the
+                                spec in its metadata.
 
 Integers come from `packing.quantize_rtn` and are packed by `packing.pack_gptq` /
 `pack_awq`. compressed-tensors tensors are produced by the compressed-tensors library's
@@ -88,7 +91,7 @@ CLI_FLAGS = {
     "hidden": "--hidden", "intermediate": "--intermediate", "experts": "--experts", "top_k": "--top-k",
     "layers": "--layers", "vocab_size": "--vocab-size", "quantize_attention": "--no-quantize-attention",
     "seed": "--seed", "checkpoint_format": "--checkpoint-format", "desc_act": "--desc-act",
-    "group_size_null": "--group-size-null",
+    "group_size_null": "--group-size-null", "float_reference": "--no-float-reference",
 }  # fmt: skip
 _UNSET = object()
 
@@ -117,6 +120,7 @@ class CheckpointSpec:
     checkpoint_format: str = "gptq"
     desc_act: bool = False
     group_size_null: bool = False
+    float_reference: bool = True
     cli_flags: InitVar[bool] = False
 
     def __post_init__(self, cli_flags: bool) -> None:
@@ -190,16 +194,23 @@ class CheckpointSpec:
         if (size := self.written_bytes) > MAX_WRITTEN_BYTES:
             raise ValueError(
                 f"{arg('experts')}, {arg('hidden')}, {arg('intermediate')}, {arg('layers')} and "
-                f"{name('vocab_size')} {self.resolved_vocab_size} would write about {size / 2**30:.1f} GiB (the float32 "
-                f"reference of the experts included), over make-checkpoint's {MAX_WRITTEN_BYTES >> 30} GiB: it "
-                f"writes small test checkpoints; use smaller sizes"
+                f"{name('vocab_size')} {self.resolved_vocab_size} would write about {size / 2**30:.1f} GiB "
+                f"({'the float32 reference of the experts included' if self.float_reference else 'packed'}), over "
+                f"make-checkpoint's {MAX_WRITTEN_BYTES >> 30} GiB: it writes small test checkpoints; use smaller sizes"
+                + (
+                    f" (or {arg('float_reference', False)}: no float reference, for throughput runs)"
+                    if self.float_reference
+                    else ""
+                )
             )
 
     @property
     def written_bytes(self) -> int:
         """About what writing holds and writes: the experts' float32 reference (their packed weights are a
-        fraction of it), the attention's and the embedding / lm_head in bf16."""
-        experts = self.layers * self.experts * 3 * self.hidden * self.intermediate * 4
+        fraction of it) or, without it (float_reference), their packed weights, the attention's and the embedding /
+        lm_head in bf16."""
+        per_weight = 4 if self.float_reference else self.bits / 8
+        experts = int(self.layers * self.experts * 3 * self.hidden * self.intermediate * per_weight)
         attention = self.layers * 4 * self.hidden * self.hidden * 2
         return experts + attention + 2 * self.resolved_vocab_size * self.hidden * 2
 
@@ -246,6 +257,7 @@ def make_checkpoint(
     checkpoint_format: str = "gptq",
     desc_act: bool = False,
     group_size_null: bool = False,
+    float_reference: bool = True,
 ) -> Path:
     """Write a tiny quantized MoE checkpoint of format `fmt` into out_dir; returns its path.
 
@@ -255,7 +267,9 @@ def make_checkpoint(
     "gptq" (v1: stored zero = zero - 1) or "gptq_v2" applies to GPTQ only; desc_act (a random
     act-order g_idx per module, gate and up of an expert sharing one) to GPTQ (desc_act) and
     compressed-tensors (actorder: group, weight_g_idx). quantize_attention=False leaves q/k/v/o_proj
-    in bf16 and excludes them in the config. Weights are seeded by `seed`.
+    in bf16 and excludes them in the config. float_reference=False writes no float reference (only the spec:
+    load_reference refuses it), for checkpoints too large for one (throughput runs: bench/e2e.py). Weights are
+    seeded by `seed`.
     """
     spec = CheckpointSpec(
         fmt=fmt,
@@ -274,6 +288,7 @@ def make_checkpoint(
         checkpoint_format=checkpoint_format,
         desc_act=desc_act,
         group_size_null=group_size_null,
+        float_reference=float_reference,
     )
     return write_checkpoint(out_dir, spec)
 
@@ -337,10 +352,12 @@ def write_checkpoint(out_dir: str | Path, spec: CheckpointSpec) -> Path:
             up = add_linear(f"{ep}.{up_name}", w13_float[e, i_size:], True, order)
             w13.append(torch.cat([gate, up]))
             w2.append(add_linear(f"{ep}.{down_name}", w2_float[e], True))
-        reference[f"layers.{li}.w13"] = torch.stack(w13)
-        reference[f"layers.{li}.w2"] = torch.stack(w2)
-        reference[f"layers.{li}.w13_float"] = w13_float
-        reference[f"layers.{li}.w2_float"] = w2_float
+        if spec.float_reference:
+            reference[f"layers.{li}.w13"] = torch.stack(w13)
+            reference[f"layers.{li}.w2"] = torch.stack(w2)
+            reference[f"layers.{li}.w13_float"] = w13_float
+            reference[f"layers.{li}.w2_float"] = w2_float
+        del w13, w2, w13_float, w2_float
         logger.info("make-checkpoint: layer %d: %d experts quantized", li, e_num)
     tensors["model.norm.weight"] = _norm_weight(gen, h)
     tensors["lm_head.weight"] = _randn(gen, vocab, h, std=0.02).to(FLOAT_DTYPE)
@@ -410,7 +427,13 @@ def load_config(model_dir: str | Path) -> dict:
 
 
 def load_reference(out_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The float32 reference tensors of a checkpoint made by make_checkpoint (see module doc)."""
+    """The float32 reference tensors of a checkpoint made by make_checkpoint (see module doc); ValueError for one
+    written without them (float_reference=False)."""
+    if not load_spec(out_dir).float_reference:
+        raise ValueError(
+            f"{out_dir} was written without its float reference (make-checkpoint --no-float-reference): nothing to "
+            "check against; write it again without that flag"
+        )
     with open_safetensors(_reference_file(out_dir)) as f:
         return {k: f.get_tensor(k) for k in f.keys()}
 
@@ -697,6 +720,9 @@ def add_make_checkpoint_args(parser: argparse.ArgumentParser) -> argparse.Argume
     parser.add_argument("--desc-act", action="store_true",
                         help="act order (a random g_idx per module): GPTQ desc_act, compressed-tensors actorder group")  # fmt: skip
     parser.add_argument("--no-quantize-attention", dest="quantize_attention", action="store_false")
+    parser.add_argument("--no-float-reference", dest="float_reference", action="store_false",
+                        help="write no float32 reference of the experts (a large checkpoint for throughput runs; "
+                        "the demo's check cannot read it)")  # fmt: skip
     parser.add_argument(
         "--group-size-null",
         action="store_true",

@@ -65,13 +65,14 @@ WORKLOADS = [  # (name, prompts, prompt tokens, output tokens)
 REPEATS = 5  # timed passes per workload after an untimed one; the table shows the median
 
 
-def prefill_kernels(llm, prompts, sampling_params, top: int = 8) -> list[dict]:
-    """The GPU kernels of one prefill workload pass under torch.profiler, by total device time: which
-    kernels a provider's prefill spends its time in (the engine runs in this process)."""
+def profiled_kernels(llm, prompts, sampling_params, workload: str, top: int = 10) -> list[dict]:
+    """The GPU kernels of one pass of a workload under torch.profiler, by total device time: which kernels a
+    provider spends that workload in (the engine runs in this process; CUPTI records the kernels of CUDA-graph
+    replays too). A decode workload's pass includes its prompts' prefill (B x 32 tokens)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    _, n, plen, olen = next(w for w in WORKLOADS if w[0] == "prefill")
+    _, n, plen, olen = next(w for w in WORKLOADS if w[0] == workload)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts(n, plen), sampling_params(max_tokens=olen, temperature=0.0, ignore_eos=True),
                      use_tqdm=False)  # fmt: skip
@@ -122,8 +123,8 @@ def worker(spec_path: str, out_path: str) -> int:
             generated = sum(len(o.outputs[0].token_ids) for o in outs)
             result["workloads"][name] = {"seconds": dt, "all_seconds": seconds, "output_tok_s": generated / dt,
                                          "input_tok_s": n * plen / dt}  # fmt: skip
-        if spec.get("profile_prefill"):
-            result["prefill_kernels"] = prefill_kernels(llm, prompts, SamplingParams)
+        for workload in spec.get("profile", []):
+            result.setdefault("profiles", {})[workload] = profiled_kernels(llm, prompts, SamplingParams, workload)
         result["ok"] = True
     except Exception as exc:  # noqa: BLE001 - a provider that fails is a result
         result["ok"] = False
@@ -155,12 +156,10 @@ def render(results: list[dict], header: str) -> str:
             ratios = [base["workloads"][n][key(n)] / r["workloads"][n][key(n)] for n in names]
             lines.append(f"| {r['provider']} | " + " | ".join(f"{x:.2f}" for x in ratios) + " |")
     for r in results:
-        if r.get("prefill_kernels"):
-            lines += ["", f"{r['provider']}: the prefill pass's top GPU kernels (torch.profiler)", "",
+        for workload, kernels in r.get("profiles", {}).items():
+            lines += ["", f"{r['provider']}: one {workload} pass's top GPU kernels (torch.profiler)", "",
                       "| kernel | calls | ms | share |", "|---|---|---|---|"]  # fmt: skip
-            lines += [
-                f"| `{k['kernel']}` | {k['calls']} | {k['ms']:.2f} | {k['share']:.0%} |" for k in r["prefill_kernels"]
-            ]
+            lines += [f"| `{k['kernel']}` | {k['calls']} | {k['ms']:.2f} | {k['share']:.0%} |" for k in kernels]
     return "\n".join(lines) + "\n"
 
 
@@ -183,8 +182,10 @@ def main() -> int:
     ap.add_argument("--attention-backend", default="TRITON_ATTN", help="'' = vLLM's choice")
     ap.add_argument("--timeout", type=int, default=600, help="seconds per provider")
     ap.add_argument("--repeats", type=int, default=REPEATS, help="timed passes per workload (median)")
-    ap.add_argument("--profile-prefill", action="store_true",
-                    help="after the timed passes, one prefill pass under torch.profiler: its top kernels per provider")  # fmt: skip
+    ap.add_argument("--profile", default="", metavar="WORKLOADS",
+                    help=f"after the timed passes, one pass of each of these workloads (comma-separated, of "
+                         f"{[w[0] for w in WORKLOADS]}) under torch.profiler: its top kernels per provider")  # fmt: skip
+    ap.add_argument("--profile-prefill", action="store_true", help="the same as --profile prefill")
     ap.add_argument("--torch-compile", action="store_true", help="vLLM's default compilation (slow start-up)")
     ap.add_argument("--quantize-attention", action="store_true",
                     help="quantize attention too (vLLM 0.26's in-tree moe_wna16 failed at load on such a GPTQ "
@@ -192,6 +193,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.worker:
         return worker(*args.worker)
+    profile = [w for w in args.profile.split(",") if w] + (["prefill"] if args.profile_prefill else [])
+    unknown = sorted(set(profile) - {w[0] for w in WORKLOADS})
+    if unknown:
+        ap.error(f"--profile={args.profile!r}: {unknown} not among the workloads {[w[0] for w in WORKLOADS]}")
 
     import torch
 
@@ -209,7 +214,7 @@ def main() -> int:
     for prov in args.providers.split(","):
         spec = dict({**PROVIDERS, **OPTIONAL_PROVIDERS}[prov], provider=prov, model=str(ckpt), vocab=vocab,
                     attention_backend=args.attention_backend, torch_compile=args.torch_compile,
-                    repeats=args.repeats, profile_prefill=args.profile_prefill)  # fmt: skip
+                    repeats=args.repeats, profile=list(dict.fromkeys(profile)))  # fmt: skip
         spec_path, out_path = work / f"{prov}.spec.json", work / f"{prov}.out.json"
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ, TRITON_INTERPRET="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")

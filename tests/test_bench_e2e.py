@@ -19,7 +19,7 @@ def load_e2e():
     return module
 
 
-def test_table_ratios_failures_and_prefill_kernels():
+def test_table_ratios_failures_and_profiled_kernels():
     e2e = load_e2e()
     names = [w[0] for w in e2e.WORKLOADS]
 
@@ -28,10 +28,14 @@ def test_table_ratios_failures_and_prefill_kernels():
                 "workloads": {n: {"output_tok_s": tok_s, "input_tok_s": 100 * tok_s} for n in names}}  # fmt: skip
 
     auto = run("plugin-auto", 300.0)
-    auto["prefill_kernels"] = [{"kernel": "_fused_moe_wna16_kernel", "calls": 8, "ms": 12.5, "share": 0.4}]
+    auto["profiles"] = {"prefill": [{"kernel": "_fused_moe_wna16_kernel", "calls": 8, "ms": 12.5, "share": 0.4}],
+                        "decode-bs64": [{"kernel": "humming", "calls": 1536, "ms": 30.25, "share": 0.21}]}
     table = e2e.render([auto, run("vllm-default", 200.0), {"provider": "vllm-moe_wna16", "ok": False,
                                                            "error": "ValueError: no"}], "# t")  # fmt: skip
     assert "| plugin-auto | 5 | 300 tok/s" in table
     assert "| vllm-default | " + " | ".join(["1.50"] * len(names)) + " |" in table  # 300 / 200
     assert "| vllm-moe_wna16 | failed: ValueError: no |" in table
+    assert "plugin-auto: one prefill pass's top GPU kernels" in table
     assert "| `_fused_moe_wna16_kernel` | 8 | 12.50 | 40% |" in table
+    assert "plugin-auto: one decode-bs64 pass's top GPU kernels" in table
+    assert "| `humming` | 1536 | 30.25 | 21% |" in table

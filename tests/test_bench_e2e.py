@@ -28,8 +28,10 @@ def test_table_ratios_failures_and_profiled_kernels():
                 "workloads": {n: {"output_tok_s": tok_s, "input_tok_s": 100 * tok_s} for n in names}}  # fmt: skip
 
     auto = run("plugin-auto", 300.0)
-    auto["profiles"] = {"prefill": [{"kernel": "_fused_moe_wna16_kernel", "calls": 8, "ms": 12.5, "share": 0.4}],
-                        "decode-bs64": [{"kernel": "humming", "calls": 1536, "ms": 30.25, "share": 0.21}]}
+    auto["profiles"] = {
+        "prefill": [{"kernel": "_fused_moe_wna16_kernel", "calls": 8, "ms": 12.5, "share": 0.4}],
+        "decode-bs64": [{"kernel": "humming", "calls": 1536, "ms": 30.25, "share": 0.21}],
+    }
     table = e2e.render([auto, run("vllm-default", 200.0), {"provider": "vllm-moe_wna16", "ok": False,
                                                            "error": "ValueError: no"}], "# t")  # fmt: skip
     assert "| plugin-auto | 5 | 300 tok/s" in table

@@ -65,23 +65,34 @@ WORKLOADS = [  # (name, prompts, prompt tokens, output tokens)
 REPEATS = 5  # timed passes per workload after an untimed one; the table shows the median
 
 
-def profiled_kernels(llm, prompts, sampling_params, workload: str, top: int = 10) -> list[dict]:
-    """The GPU kernels of one pass of a workload under torch.profiler, by total device time: which kernels a
-    provider spends that workload in (the engine runs in this process; CUPTI records the kernels of CUDA-graph
-    replays too). A decode workload's pass includes its prompts' prefill (B x 32 tokens)."""
+def profiled_pass(llm, prompts, sampling_params, workload: str, cpu: bool = False, top: int = 10) -> dict:
+    """One pass of a workload under torch.profiler: its wall time, the device time of all its kernels (the
+    difference is time the GPU waited on the host), the top kernels by device time and, with `cpu`, the top host
+    ops by self time (the engine runs in this process; CUPTI records the kernels of CUDA-graph replays too). A
+    decode workload's pass includes its prompts' prefill (B x 32 tokens)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     _, n, plen, olen = next(w for w in WORKLOADS if w[0] == workload)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
         llm.generate(prompts(n, plen), sampling_params(max_tokens=olen, temperature=0.0, ignore_eos=True),
                      use_tqdm=False)  # fmt: skip
         torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
-    rows.sort(key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in rows)
-    return [{"kernel": e.key[:90], "calls": e.count, "ms": e.device_time_total / 1e3, "share": e.device_time_total / total}
-            for e in rows[:top]]  # fmt: skip
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    rows = sorted((e for e in events if e.device_time_total > 0 and e.self_device_time_total > 0),
+                  key=lambda e: -e.self_device_time_total)  # fmt: skip
+    total = sum(e.self_device_time_total for e in rows)
+    result = {"wall_ms": wall * 1e3, "kernel_ms": total / 1e3,
+              "kernels": [{"kernel": e.key[:90], "calls": e.count, "ms": e.self_device_time_total / 1e3,
+                           "share": e.self_device_time_total / total} for e in rows[:top]]}  # fmt: skip
+    if cpu:
+        host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+        result["host_ops"] = [{"op": e.key[:90], "calls": e.count, "ms": e.self_cpu_time_total / 1e3}
+                              for e in host[:top]]  # fmt: skip
+    return result
 
 
 def worker(spec_path: str, out_path: str) -> int:
@@ -124,7 +135,8 @@ def worker(spec_path: str, out_path: str) -> int:
             result["workloads"][name] = {"seconds": dt, "all_seconds": seconds, "output_tok_s": generated / dt,
                                          "input_tok_s": n * plen / dt}  # fmt: skip
         for workload in spec.get("profile", []):
-            result.setdefault("profiles", {})[workload] = profiled_kernels(llm, prompts, SamplingParams, workload)
+            result.setdefault("profiles", {})[workload] = profiled_pass(llm, prompts, SamplingParams, workload,
+                                                                        cpu=spec.get("profile_cpu", False))  # fmt: skip
         result["ok"] = True
     except Exception as exc:  # noqa: BLE001 - a provider that fails is a result
         result["ok"] = False
@@ -156,10 +168,15 @@ def render(results: list[dict], header: str) -> str:
             ratios = [base["workloads"][n][key(n)] / r["workloads"][n][key(n)] for n in names]
             lines.append(f"| {r['provider']} | " + " | ".join(f"{x:.2f}" for x in ratios) + " |")
     for r in results:
-        for workload, kernels in r.get("profiles", {}).items():
-            lines += ["", f"{r['provider']}: one {workload} pass's top GPU kernels (torch.profiler)", "",
+        for workload, prof in r.get("profiles", {}).items():
+            lines += ["", f"{r['provider']}: one {workload} pass under torch.profiler: {prof['wall_ms']:.0f} ms wall, "
+                      f"{prof['kernel_ms']:.0f} ms of kernels (the GPU waited {prof['wall_ms'] - prof['kernel_ms']:.0f} ms "
+                      "on the host, or more where kernels overlap); its top kernels:", "",
                       "| kernel | calls | ms | share |", "|---|---|---|---|"]  # fmt: skip
-            lines += [f"| `{k['kernel']}` | {k['calls']} | {k['ms']:.2f} | {k['share']:.0%} |" for k in kernels]
+            lines += [f"| `{k['kernel']}` | {k['calls']} | {k['ms']:.2f} | {k['share']:.0%} |" for k in prof["kernels"]]
+            if prof.get("host_ops"):
+                lines += ["", "its top host ops (self time):", "", "| op | calls | ms |", "|---|---|---|"]
+                lines += [f"| `{o['op']}` | {o['calls']} | {o['ms']:.2f} |" for o in prof["host_ops"]]
     return "\n".join(lines) + "\n"
 
 
@@ -186,6 +203,7 @@ def main() -> int:
                     help=f"after the timed passes, one pass of each of these workloads (comma-separated, of "
                          f"{[w[0] for w in WORKLOADS]}) under torch.profiler: its top kernels per provider")  # fmt: skip
     ap.add_argument("--profile-prefill", action="store_true", help="the same as --profile prefill")
+    ap.add_argument("--profile-cpu", action="store_true", help="--profile records the host's ops too (slower pass)")
     ap.add_argument("--torch-compile", action="store_true", help="vLLM's default compilation (slow start-up)")
     ap.add_argument("--quantize-attention", action="store_true",
                     help="quantize attention too (vLLM 0.26's in-tree moe_wna16 failed at load on such a GPTQ "
@@ -214,7 +232,8 @@ def main() -> int:
     for prov in args.providers.split(","):
         spec = dict({**PROVIDERS, **OPTIONAL_PROVIDERS}[prov], provider=prov, model=str(ckpt), vocab=vocab,
                     attention_backend=args.attention_backend, torch_compile=args.torch_compile,
-                    repeats=args.repeats, profile=list(dict.fromkeys(profile)))  # fmt: skip
+                    repeats=args.repeats, profile=list(dict.fromkeys(profile)),
+                    profile_cpu=args.profile_cpu)  # fmt: skip
         spec_path, out_path = work / f"{prov}.spec.json", work / f"{prov}.out.json"
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ, TRITON_INTERPRET="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")

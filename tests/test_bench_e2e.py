@@ -29,15 +29,22 @@ def test_table_ratios_failures_and_profiled_kernels():
 
     auto = run("plugin-auto", 300.0)
     auto["profiles"] = {
-        "prefill": [{"kernel": "_fused_moe_wna16_kernel", "calls": 8, "ms": 12.5, "share": 0.4}],
-        "decode-bs64": [{"kernel": "humming", "calls": 1536, "ms": 30.25, "share": 0.21}],
-    }
+        "prefill": {"wall_ms": 150.0, "kernel_ms": 120.0,
+                    "kernels": [{"kernel": "_fused_moe_wna16_kernel", "calls": 8, "ms": 12.5, "share": 0.4}]},
+        "decode-bs64": {"wall_ms": 352.0, "kernel_ms": 299.0,
+                        "kernels": [{"kernel": "humming", "calls": 1536, "ms": 30.25, "share": 0.21}],
+                        "host_ops": [{"op": "cudaGraphLaunch", "calls": 127, "ms": 4.5}]},
+    }  # fmt: skip
     table = e2e.render([auto, run("vllm-default", 200.0), {"provider": "vllm-moe_wna16", "ok": False,
                                                            "error": "ValueError: no"}], "# t")  # fmt: skip
     assert "| plugin-auto | 5 | 300 tok/s" in table
     assert "| vllm-default | " + " | ".join(["1.50"] * len(names)) + " |" in table  # 300 / 200
     assert "| vllm-moe_wna16 | failed: ValueError: no |" in table
-    assert "plugin-auto: one prefill pass's top GPU kernels" in table
+    assert (
+        "plugin-auto: one prefill pass under torch.profiler: 150 ms wall, 120 ms of kernels (the GPU waited 30 ms"
+        in table
+    )
     assert "| `_fused_moe_wna16_kernel` | 8 | 12.50 | 40% |" in table
-    assert "plugin-auto: one decode-bs64 pass's top GPU kernels" in table
+    assert "plugin-auto: one decode-bs64 pass under torch.profiler: 352 ms wall, 299 ms of kernels" in table
+    assert "| `cudaGraphLaunch` | 127 | 4.50 |" in table
     assert "| `humming` | 1536 | 30.25 | 21% |" in table

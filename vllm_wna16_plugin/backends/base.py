@@ -113,15 +113,24 @@ def pairs_per_expert(problem: MoEProblem, m: int) -> float:
     return m * problem.top_k * e_loc / e_glob / max(experts_hit(problem, m), 1e-9)
 
 
-def composition_scope(problem: MoEProblem, device) -> str | None:
+def composition_scope(
+    problem: MoEProblem, device, *, bits: tuple[int, ...] = (4,), zero_points: bool = False
+) -> str | None:
     """Why the rules that compose auto's layer with a vLLM kernel (backends/humming.py, backends/marlin.py;
     compose.py) do not speak for this layer on `device`, or None where they do: what their H200 development set
-    measured, sm90 with symmetric int4 in groups of 32-128 (16-128 for the down projection) and no act order."""
+    measured, sm90 with int4 (or the `bits` a rule names) in groups of 32-128 (16-128 for the down projection), no
+    act order, and zero points only where `zero_points` says a rule was measured with them."""
     if device.platform != "cuda" or device.sm != 90:
         return f"measured on sm90 only (device is {device.platform} sm{device.sm})"
     scheme = problem.scheme
-    if scheme.bits != 4 or scheme.has_zero_point or scheme.is_channelwise or problem.has_g_idx:
-        return "measured for symmetric int4 with groups only"
+    forms = "/".join(f"int{b}" for b in bits) + (", symmetric or with zero points," if zero_points else ", symmetric,")
+    if (
+        scheme.bits not in bits
+        or (scheme.has_zero_point and not zero_points)
+        or scheme.is_channelwise
+        or problem.has_g_idx
+    ):
+        return f"measured for {forms} with groups only"
     if not (32 <= problem.group_size_w13 <= 128 and 16 <= problem.group_size_w2 <= 128):
         return f"group sizes {problem.group_size_w13}/{problem.group_size_w2} not measured"
     return None

@@ -285,8 +285,8 @@ def _to_humming(qweight, scales, qzeros, dtype) -> dict[str, torch.Tensor]:
 #     M>=4: faster where the call reads <= 20 MB (1.08-1.65x), slower or even (<= 1.01x) on 27 of 28 others
 #          (Qwen1.5-MoE-A2.7B at TP1, M=4, 62 MB: 1.15x the one miss)
 # Checked on the validation set (2026-12-05-c410069-val4.md, -val-mixtral8x22b.csv; never fitted on):
-# bench/rule_report.py. Measured for int4, symmetric, groups 32-128 on sm90 only: elsewhere auto never
-# composes.
+# bench/rule_report.py. Measured for int4, symmetric, groups 32-128 on sm90 only (int8 and zero points: below):
+# elsewhere auto never composes.
 HUMMING_M1_MIN_BYTES = 56e6
 HUMMING_MIN_BYTES = 20e6
 # M=2 was not timed beside Humming: its bar is M=1's, since Humming's times bracket M=2 between its M=1 and
@@ -324,8 +324,24 @@ def humming_copy_bytes(problem: MoEProblem) -> int:
     return e * total
 
 
-# why the Humming rule does not speak for a layer on a device (None: it does): the composition scope
-humming_rule_applies = composition_scope
+# int8 and zero points (AWQ, GPTQ sym=false) under the same rule: the layer auto ran without Humming (the plugin's
+# kernels, and for zero points the hopper copy from 64 rows) against Humming on three dev models at TP 4, M 16-4096
+# (H200, vLLM 0.34.0, bench/results/h200/2026-12-06-eda7a88-h200-zp.md and -h200-int8.md): Humming was faster on 22
+# of the 23 points measured right (auto / Humming µs, zero points: Mixtral-8x7B M=64 198 / 113, Qwen3-30B-A3B
+# M=4096 455 / 430; int8: Phi-3.5-MoE M=16 266 / 98), the 23rd even (int8 Qwen3-30B-A3B M=16, 70.0 / 70.8). Every
+# one of them reads more than the bytes bar (48 MB and up), so the rule gives all 23 to Humming. The hopper copy
+# alone was faster than Humming on 5 of 6 zero-point points at M 1024-4096 (by 3-15%; Humming by 15% on
+# Qwen3-30B-A3B at M=1024) and on int8 Mixtral-8x7B (1.26-1.37x): beside Humming it takes none of them (the prefill
+# clause), a loss there against 1.1-2.7x at M 16-256. Below M=16 neither form was timed beside Humming:
+# the bar leaves their small reads to the plugin, as it does for int4 (what auto ran there before).
+HUMMING_RULE_BITS = (4, 8)
+HUMMING_RULE_ZERO_POINTS = True
+
+
+def humming_rule_applies(problem: MoEProblem, device) -> str | None:
+    """Why the Humming rule does not speak for a layer on a device (None: it does): the composition scope with
+    the forms measured beside Humming (HUMMING_RULE_BITS, HUMMING_RULE_ZERO_POINTS)."""
+    return composition_scope(problem, device, bits=HUMMING_RULE_BITS, zero_points=HUMMING_RULE_ZERO_POINTS)
 
 
 def humming_takes(problem: MoEProblem, m: int, device) -> bool:

@@ -18,12 +18,23 @@ A provider that fails shows its error in the table.
 
     python bench/e2e.py --out bench/results/h200 [--layers 12] [--providers ...] [--group-size 128]
 
+A checkpoint of many layers takes minutes to write (24 layers: about 7 GB, under make_checkpoint's 8 GiB cap;
+Qwen3-30B-A3B has 48): --checkpoint DIR writes it there once and reuses it while DIR holds one of the same spec (a
+warm GPU machine keeps /tmp between calls). Each run on it saves its providers' results in DIR/e2e-runs.json, and
+the table shows every provider timed there (the latest run of each), so the providers can be split over calls:
+
+    python bench/e2e.py --layers 24 --checkpoint /tmp/e2e-24 --providers plugin-auto     # call 1
+    python bench/e2e.py --layers 24 --checkpoint /tmp/e2e-24 --providers vllm-default    # call 2, warm: both rows
+
+--include names another run's .json on the same checkpoint spec whose providers join the table.
+
 Writes <out>/e2e-<date>-<commit>.md and .json and prints the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -145,6 +156,39 @@ def worker(spec_path: str, out_path: str) -> int:
     return 0
 
 
+SAVED_RUNS = "e2e-runs.json"  # in a --checkpoint directory: the providers timed on it so far
+
+
+def describe_checkpoint(spec: dict) -> str:
+    """One line naming a checkpoint's spec: what --include compares (the same checkpoint, or not comparable)."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(spec.items()))
+
+
+def reusable(ckpt: Path, wanted: dict, load_spec) -> bool:
+    """Whether `ckpt` holds a make_checkpoint checkpoint of the spec `wanted` (every field of it equal); a directory
+    of another spec is an error (nothing is overwritten), an empty or missing one is written."""
+    if not (ckpt / "config.json").exists():
+        return False
+    spec = dataclasses.asdict(load_spec(ckpt))
+    differ = {k: (spec.get(k), v) for k, v in wanted.items() if spec.get(k) != v}
+    if differ:
+        raise SystemExit(f"--checkpoint={ckpt} holds another checkpoint ({', '.join(f'{k}: {a} there, {b} wanted' for k, (a, b) in differ.items())}): "
+                         "name an empty directory")  # fmt: skip
+    return True
+
+
+def read_included(path: Path, described: str) -> list[dict]:
+    """The provider results of an earlier run's .json; refused unless they were measured on this run's checkpoint
+    spec."""
+    rows = json.loads(path.read_text())
+    other = {r.get("checkpoint") for r in rows} - {described}
+    if other:
+        raise SystemExit(
+            f"--include={path}: measured on {sorted(map(str, other))}, not this run's checkpoint ({described})"
+        )
+    return rows
+
+
 def render(results: list[dict], header: str) -> str:
     names = [w[0] for w in WORKLOADS]
     lines = [header, "", "| provider | start-up s | " + " | ".join(names) + " |", "|---" * (len(names) + 2) + "|"]
@@ -204,6 +248,10 @@ def main() -> int:
                          f"{[w[0] for w in WORKLOADS]}) under torch.profiler: its top kernels per provider")  # fmt: skip
     ap.add_argument("--profile-prefill", action="store_true", help="the same as --profile prefill")
     ap.add_argument("--profile-cpu", action="store_true", help="--profile records the host's ops too (slower pass)")
+    ap.add_argument("--checkpoint", default=None, metavar="DIR",
+                    help="write the checkpoint into DIR, or reuse the one DIR holds when its spec is this run's")  # fmt: skip
+    ap.add_argument("--include", action="append", default=[], metavar="JSON",
+                    help="an earlier run's .json on the same checkpoint: its providers join the table (repeatable)")  # fmt: skip
     ap.add_argument("--torch-compile", action="store_true", help="vLLM's default compilation (slow start-up)")
     ap.add_argument("--quantize-attention", action="store_true",
                     help="quantize attention too (vLLM 0.26's in-tree moe_wna16 failed at load on such a GPTQ "
@@ -221,12 +269,20 @@ def main() -> int:
     from vllm_wna16_plugin.tools.make_checkpoint import load_spec, make_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="wna16-e2e-"))
-    t0 = time.perf_counter()
-    ckpt = make_checkpoint(work / "ck", fmt=args.fmt, bits=4, group_size=args.group_size, hidden=args.hidden,
-                           intermediate=args.intermediate, experts=args.experts, top_k=args.top_k,
-                           layers=args.layers, quantize_attention=args.quantize_attention,
-                           float_reference=False)  # fmt: skip
-    print(f"checkpoint written in {time.perf_counter() - t0:.0f}s: {ckpt}", flush=True)
+    wanted = dict(fmt=args.fmt, bits=4, group_size=args.group_size, hidden=args.hidden, intermediate=args.intermediate,
+                  experts=args.experts, top_k=args.top_k, layers=args.layers,
+                  quantize_attention=args.quantize_attention, float_reference=False)  # fmt: skip
+    ckpt = Path(args.checkpoint) if args.checkpoint else work / "ck"
+    if reusable(ckpt, wanted, load_spec):
+        print(f"checkpoint reused: {ckpt}", flush=True)
+    else:
+        t0 = time.perf_counter()
+        ckpt = make_checkpoint(ckpt, **wanted)
+        print(f"checkpoint written in {time.perf_counter() - t0:.0f}s: {ckpt}", flush=True)
+    described = describe_checkpoint(wanted)
+    saved = ckpt / SAVED_RUNS
+    included = [r for path in args.include for r in read_included(Path(path), described)]
+    included += read_included(saved, described) if saved.exists() else []
     vocab = load_spec(ckpt).resolved_vocab_size
     results = []
     for prov in args.providers.split(","):
@@ -252,8 +308,14 @@ def main() -> int:
             )
         except subprocess.TimeoutExpired:
             r = {"provider": prov, "ok": False, "error": f"timed out after {args.timeout}s"}
+        r["checkpoint"] = described
         results.append(r)
         print(json.dumps(r), flush=True)
+    mine = {r["provider"] for r in results}
+    earlier = {r["provider"]: r for r in included if r["provider"] not in mine}  # the latest of each provider
+    results = list(earlier.values()) + results
+    if args.checkpoint:
+        saved.write_text(json.dumps(results, indent=1))
 
     import vllm
 

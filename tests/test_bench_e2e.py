@@ -48,3 +48,30 @@ def test_table_ratios_failures_and_profiled_kernels():
     assert "plugin-auto: one decode-bs64 pass under torch.profiler: 352 ms wall, 299 ms of kernels" in table
     assert "| `cudaGraphLaunch` | 127 | 4.50 |" in table
     assert "| `humming` | 1536 | 30.25 | 21% |" in table
+
+
+def test_a_checkpoint_is_reused_only_with_its_spec_and_included_runs_only_on_it(tmp_path):
+    """--checkpoint: a directory holding make_checkpoint's checkpoint of the wanted spec is reused, one of another
+    spec is refused by field (nothing overwritten), an empty one is written; --include refuses a run measured on
+    another checkpoint."""
+    import json
+
+    import pytest
+
+    from vllm_wna16_plugin.tools.make_checkpoint import load_spec, make_checkpoint
+
+    e2e = load_e2e()
+    wanted = dict(fmt="gptq", bits=4, group_size=64, hidden=128, intermediate=64, experts=4, top_k=2, layers=2,
+                  quantize_attention=False, float_reference=False)  # fmt: skip
+    ckpt = tmp_path / "ck"
+    assert not e2e.reusable(ckpt, wanted, load_spec)
+    make_checkpoint(ckpt, **wanted)
+    assert e2e.reusable(ckpt, wanted, load_spec)
+    with pytest.raises(SystemExit, match=r"layers: 2 there, 3 wanted"):
+        e2e.reusable(ckpt, {**wanted, "layers": 3}, load_spec)
+    described = e2e.describe_checkpoint(wanted)
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps([{"provider": "vllm-default", "ok": True, "checkpoint": described}]))
+    assert [r["provider"] for r in e2e.read_included(run, described)] == ["vllm-default"]
+    with pytest.raises(SystemExit, match=r"not this run's checkpoint"):
+        e2e.read_included(run, e2e.describe_checkpoint({**wanted, "layers": 3}))

@@ -58,3 +58,25 @@ def test_auto_composed_with_marlin_generates_like_the_reference(checkpoint, tmp_
     alone.require_ok("auto, VLLM_WNA16_PLUS_MARLIN=0")
     assert MARLIN_NOT_COMPOSED in alone.log and MARLIN_COMPOSED not in alone.log, alone.log[-3000:]
     assert_generates_like(alone, ref, "auto without Marlin")
+
+
+@pytest.mark.parametrize(
+    "fmt, bits, sym",
+    [("awq", 4, False), ("gptq", 8, True)],
+    ids=["awq-zero-points", "gptq-int8"],
+)
+def test_auto_composes_int8_and_zero_point_checkpoints_with_marlin(checkpoint, tmp_path_factory, fmt, bits, sym):
+    """The Marlin rule speaks for int8 and zero points too (backends/marlin.MARLIN_RULE_BITS): an AWQ and an int8
+    checkpoint of the same dimensions compose under auto (the hopper copy off, so that Marlin's rule sees the long
+    prompt's batch) and generate like the reference."""
+    from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
+
+    ckpt = make_checkpoint(checkpoint.parent / f"{fmt}{bits}-e8-h2048", fmt=fmt, bits=bits, group_size=128, sym=sym,
+                           hidden=2048, intermediate=2048, experts=8, top_k=2, layers=2)  # fmt: skip
+    prompts, env = [*PROMPTS, LONG_PROMPT], {"VLLM_WNA16_PLUS_HOPPER": "0"}
+    ref = run_llm(ckpt, tmp_path_factory.mktemp(f"ref-{fmt}{bits}"), backend="reference", eager=True, prompts=prompts)
+    ref.require_ok(f"reference, {fmt} int{bits}")
+    composed = run_llm(ckpt, tmp_path_factory.mktemp(f"auto-{fmt}{bits}"), prompts=prompts, env=env)
+    composed.require_ok(f"auto, {fmt} int{bits}")
+    assert MARLIN_COMPOSED in composed.log, composed.log[-3000:]
+    assert_generates_like(composed, ref, f"auto composed with Marlin, {fmt} int{bits}")

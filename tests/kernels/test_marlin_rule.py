@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import re
 from pathlib import Path
+
+import pytest
 
 from vllm_wna16_plugin.backends import registry
 from vllm_wna16_plugin.backends.marlin import (
@@ -88,12 +91,38 @@ def test_the_rule_speaks_only_for_what_was_measured():
     assert marlin_rule_applies(mixtral, H200) is None
     assert [m for m in (1, 4, 16, 32, 64, 128, 256, 512) if marlin_takes(mixtral, m, H200)] == [32, 64, 128, 256]
     assert not marlin_takes(mixtral, MARLIN_MAX_TOKENS + 1, H200)
-    for other in (problem_of(8, 2, 4096, 3584, bits=8), problem_of(8, 2, 4096, 3584, zp=True),
-                  problem_of(8, 2, 4096, 3584, gs=CHANNELWISE)):  # fmt: skip
+    for measured in (problem_of(8, 2, 4096, 3584, bits=8), problem_of(8, 2, 4096, 3584, zp=True)):
+        assert marlin_rule_applies(measured, H200) is None  # int8 and zero points: the eda7a88 runs
+        assert marlin_takes(measured, 64, H200) and not marlin_takes(measured, 4, H200)
+    for other in (problem_of(8, 2, 4096, 3584, gs=CHANNELWISE), problem_of(8, 2, 4096, 3584, gs=256)):
         assert marlin_rule_applies(other, H200) and not marlin_takes(other, 64, H200)
     assert marlin_rule_applies(mixtral, PLAN_DEVICES["sm80"]) and not marlin_takes(mixtral, 64, PLAN_DEVICES["sm80"])
     tiny = problem_of(40, 8, 1536, 128)  # granite-3.1-3b-a800m at TP 4: 12 MB at most, the plugin's throughout
     assert not any(marlin_takes(tiny, m, H200) for m in (64, 128, 256))
+
+
+@pytest.mark.parametrize("run, bits, zp", [("2026-12-06-eda7a88-h200-int8.csv", 8, False),
+                                           ("2026-12-06-eda7a88-h200-zp.csv", 4, True)])  # fmt: skip
+def test_int8_and_zero_points_go_to_marlin_only_where_it_was_faster(run, bits, zp):
+    """Three dev models at TP 4, M 16-256 (the plugin's layer against Marlin): every point the rule hands Marlin
+    was Marlin's; the points it leaves the plugin (few rows per expert) are the plugin kernels' open work."""
+    shapes = {name: shape for name, (_, shape) in catalog_shapes().items()}
+    times: dict[tuple[str, int], dict[str, float]] = {}
+    with open(RESULTS / run, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["median_us"] and int(r["M"]) <= MARLIN_MAX_TOKENS:
+                times.setdefault((r["shape"], int(r["M"])), {})[r["provider"]] = float(r["median_us"])
+    taken = left = 0
+    for (shape, m), t in sorted(times.items()):
+        if "vllm-marlin" not in t or "plugin-auto" not in t:
+            continue
+        s = shapes[re.sub(r"-int\d+-g\d+$", "", shape)]
+        if marlin_takes(problem_of(s.E, s.top_k, s.H, s.I, s.gs, bits=bits, zp=zp, gs2=s.group_w2), m, H200):
+            assert t["vllm-marlin"] < t["plugin-auto"], (shape, m, t)
+            taken += 1
+        else:
+            left += 1
+    assert (taken, left) == {8: (3, 3), 4: (5, 4)}[bits]
 
 
 def test_the_copy_is_counted_at_the_weights_bits():
@@ -130,5 +159,5 @@ def test_marlin_is_the_partner_only_where_humming_cannot_be():
     assert any("rows per hit expert" in w and "Marlin's (Marlin rule" in w for w in large.why)
     # prefill sizes go back to the plugin's tiles
     assert plan(composed.problem, 1024, H200, selection=composed).backend == "triton"
-    none, why = partner(_without_humming(select_backend(problem_of(8, 2, 4096, 3584, zp=True))))
+    none, why = partner(_without_humming(select_backend(problem_of(8, 2, 4096, 3584, gs=CHANNELWISE))))
     assert none is None and "Humming: " in why and "Marlin: the Marlin rule does not speak" in why

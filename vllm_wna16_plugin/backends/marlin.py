@@ -37,7 +37,8 @@ MARLIN_GROUP_SIZES = (32, 64, 128)
 #     8 rows, 52 MB (OLMoE-1B-7B at TP 4, M=64): 1.15 (the plugin's)
 #     M=512 (Triton layer): 1.06-1.17 on four of five dev shapes (0.91 on Qwen3-235B-A22B at TP 4): the plugin's
 # Checked on the validation set (never fitted on): bench/rule_report.py over -val4 / -mid and the composed run.
-# Measured for int4, symmetric, groups 32-128 on sm90 only: elsewhere auto never composes with Marlin.
+# Measured for int4, symmetric, groups 32-128 on sm90 only (int8 and zero points: below): elsewhere auto never
+# composes with Marlin.
 MARLIN_MIN_ROWS = 8  # rows per hit expert (base.pairs_per_expert) ...
 MARLIN_MIN_BYTES = 100e6  # ... with this much of the experts read (base.experts_read)
 MARLIN_MIN_ROWS_SMALL = 16  # or, for smaller reads, this many rows ...
@@ -60,8 +61,21 @@ def marlin_copy_bytes(problem: MoEProblem) -> int:
     return e * total
 
 
-# why the Marlin rule does not speak for a layer on a device (None: it does): the composition scope
-marlin_rule_applies = composition_scope
+# int8 and zero points (AWQ, GPTQ sym=false) under the same rule: the plugin's layer against Marlin on three dev
+# models at TP 4, M 16-256 (H200, vLLM 0.34.0's Marlin, bench/results/h200/2026-12-06-eda7a88-h200-zp.md and
+# -h200-int8.md): the rule takes 8 of the 15 points and Marlin was the faster on all 8 (plugin / Marlin µs: zero
+# points Mixtral-8x7B M=64 198 / 122, int8 Phi-3.5-MoE M=64 315 / 120). On the other 7 (1.6-4 rows per hit expert)
+# it leaves the plugin's kernels, as before the rule spoke for these forms, where Marlin was faster too (1.12-2.73x:
+# int8 Phi-3.5-MoE M=16 266 / 97): the plugin's int8 and zero-point kernels at few rows per expert are issue 22's
+# open work, not fitted here. Marlin has no int8 kernel with zero points (incompatibility_reason).
+MARLIN_RULE_BITS = (4, 8)
+MARLIN_RULE_ZERO_POINTS = True
+
+
+def marlin_rule_applies(problem: MoEProblem, device) -> str | None:
+    """Why the Marlin rule does not speak for a layer on a device (None: it does): the composition scope with the
+    forms measured beside Marlin (MARLIN_RULE_BITS, MARLIN_RULE_ZERO_POINTS)."""
+    return composition_scope(problem, device, bits=MARLIN_RULE_BITS, zero_points=MARLIN_RULE_ZERO_POINTS)
 
 
 def marlin_takes(problem: MoEProblem, m: int, device) -> bool:

@@ -92,8 +92,11 @@ def profiled_pass(llm, prompts, sampling_params, workload: str, cpu: bool = Fals
                      use_tqdm=False)  # fmt: skip
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
+    from torch.autograd import DeviceType
+
     events = prof.key_averages()
-    rows = sorted((e for e in events if e.device_time_total > 0 and e.self_device_time_total > 0),
+    # the kernels only: with CPU activity each op that launches a kernel also carries the kernel's time as its own
+    rows = sorted((e for e in events if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0),
                   key=lambda e: -e.self_device_time_total)  # fmt: skip
     total = sum(e.self_device_time_total for e in rows)
     result = {"wall_ms": wall * 1e3, "kernel_ms": total / 1e3,
@@ -156,6 +159,16 @@ def worker(spec_path: str, out_path: str) -> int:
     return 0
 
 
+def device_name() -> str:
+    """The first GPU's name, read without creating a CUDA context in this process (its workers need the memory)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "--id=0"],
+                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+        return out.stdout.strip() or "unknown GPU"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown GPU"
+
+
 SAVED_RUNS = "e2e-runs.json"  # in a --checkpoint directory: the providers timed on it so far
 
 
@@ -164,29 +177,45 @@ def describe_checkpoint(spec: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(spec.items()))
 
 
-def reusable(ckpt: Path, wanted: dict, load_spec) -> bool:
-    """Whether `ckpt` holds a make_checkpoint checkpoint of the spec `wanted` (every field of it equal); a directory
-    of another spec is an error (nothing is overwritten), an empty or missing one is written."""
+def reusable(ckpt: Path, wanted: dict, load_spec, spec_type) -> bool:
+    """Whether `ckpt` holds a make_checkpoint checkpoint of the spec `wanted` (every field of spec_type(**wanted),
+    defaults included, equal); a directory of another spec is an error (nothing is overwritten), an empty or missing
+    one is written."""
     if not (ckpt / "config.json").exists():
         return False
-    spec = dataclasses.asdict(load_spec(ckpt))
-    differ = {k: (spec.get(k), v) for k, v in wanted.items() if spec.get(k) != v}
+    spec, full = dataclasses.asdict(load_spec(ckpt)), dataclasses.asdict(spec_type(**wanted))
+    differ = {k: (spec.get(k), v) for k, v in full.items() if spec.get(k) != v}
     if differ:
         raise SystemExit(f"--checkpoint={ckpt} holds another checkpoint ({', '.join(f'{k}: {a} there, {b} wanted' for k, (a, b) in differ.items())}): "
                          "name an empty directory")  # fmt: skip
     return True
 
 
-def read_included(path: Path, described: str) -> list[dict]:
+def read_included(path: Path, described: str, setting: str) -> list[dict]:
     """The provider results of an earlier run's .json; refused unless they were measured on this run's checkpoint
-    spec."""
+    spec and setting (device, vLLM, torch, attention backend, compilation, repeats)."""
     rows = json.loads(path.read_text())
     other = {r.get("checkpoint") for r in rows} - {described}
     if other:
         raise SystemExit(
             f"--include={path}: measured on {sorted(map(str, other))}, not this run's checkpoint ({described})"
         )
+    other = {r.get("setting") for r in rows} - {setting}
+    if other:
+        raise SystemExit(
+            f"--include={path}: measured with {sorted(map(str, other))}, not this run's setting ({setting})"
+        )
     return rows
+
+
+def merged(earlier: list[dict], mine: list[dict]) -> list[dict]:
+    """One row per provider: this run's, else the last earlier one; a failed row never replaces a good one."""
+    rows: dict[str, dict] = {}
+    for r in [*earlier, *mine]:
+        kept = rows.get(r["provider"])
+        if kept is None or r.get("ok") or not kept.get("ok"):
+            rows[r["provider"]] = r
+    return list(rows.values())
 
 
 def render(results: list[dict], header: str) -> str:
@@ -266,23 +295,27 @@ def main() -> int:
 
     import torch
 
-    from vllm_wna16_plugin.tools.make_checkpoint import load_spec, make_checkpoint
+    from vllm_wna16_plugin.tools.make_checkpoint import CheckpointSpec, load_spec, make_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="wna16-e2e-"))
     wanted = dict(fmt=args.fmt, bits=4, group_size=args.group_size, hidden=args.hidden, intermediate=args.intermediate,
                   experts=args.experts, top_k=args.top_k, layers=args.layers,
                   quantize_attention=args.quantize_attention, float_reference=False)  # fmt: skip
     ckpt = Path(args.checkpoint) if args.checkpoint else work / "ck"
-    if reusable(ckpt, wanted, load_spec):
+    if reusable(ckpt, wanted, load_spec, CheckpointSpec):
         print(f"checkpoint reused: {ckpt}", flush=True)
     else:
         t0 = time.perf_counter()
         ckpt = make_checkpoint(ckpt, **wanted)
         print(f"checkpoint written in {time.perf_counter() - t0:.0f}s: {ckpt}", flush=True)
+    import vllm
+
     described = describe_checkpoint(wanted)
+    setting = (f"{device_name()}, vLLM {vllm.__version__}, torch {torch.__version__}, attention "
+               f"{args.attention_backend or 'auto'}, torch.compile {args.torch_compile}, {args.repeats} repeats")  # fmt: skip
     saved = ckpt / SAVED_RUNS
-    included = [r for path in args.include for r in read_included(Path(path), described)]
-    included += read_included(saved, described) if saved.exists() else []
+    kept = read_included(saved, described, setting) if saved.exists() else []  # timed on this checkpoint before
+    included = [r for path in args.include for r in read_included(Path(path), described, setting)]
     vocab = load_spec(ckpt).resolved_vocab_size
     results = []
     for prov in args.providers.split(","):
@@ -308,17 +341,14 @@ def main() -> int:
             )
         except subprocess.TimeoutExpired:
             r = {"provider": prov, "ok": False, "error": f"timed out after {args.timeout}s"}
-        r["checkpoint"] = described
+        r.update(checkpoint=described, setting=setting, commit=git_commit())
         results.append(r)
         print(json.dumps(r), flush=True)
-    mine = {r["provider"] for r in results}
-    earlier = {r["provider"]: r for r in included if r["provider"] not in mine}  # the latest of each provider
-    results = list(earlier.values()) + results
-    if args.checkpoint:
-        saved.write_text(json.dumps(results, indent=1))
+        if args.checkpoint:  # after each provider: a call cut short keeps what it timed
+            saved.write_text(json.dumps(merged(kept, results), indent=1))
+    results = merged([*included, *kept], results)
 
-    import vllm
-
+    commits = sorted({r.get("commit") for r in results if r.get("commit") and r.get("commit") != git_commit()})
     header = (
         f"# End-to-end offline throughput\n\n{datetime.date.today()} · {torch.cuda.get_device_name()} · "
         f"vLLM {vllm.__version__} · torch {torch.__version__} · commit {git_commit()}\n\n"
@@ -328,7 +358,10 @@ def main() -> int:
         f"{'torch.compile + CUDA graphs' if args.torch_compile else 'no torch.compile, full CUDA graphs for decode'}; "
         f"decode: B prompts x 32 tokens -> 128 tokens; prefill: 64 x 512 tokens -> 1. Each workload once "
         f"untimed, then the median of {args.repeats} timed passes."
-    )
+        + (f" Rows timed at other commits on the same checkpoint and setting: {', '.join(commits)} "
+           f"({', '.join(r['provider'] + ': ' + r['commit'] for r in results if r.get('commit') in commits)})."
+           if commits else "")
+    )  # fmt: skip
     table = render(results, header)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -58,20 +58,34 @@ def test_a_checkpoint_is_reused_only_with_its_spec_and_included_runs_only_on_it(
 
     import pytest
 
-    from vllm_wna16_plugin.tools.make_checkpoint import load_spec, make_checkpoint
+    from vllm_wna16_plugin.tools.make_checkpoint import CheckpointSpec, load_spec, make_checkpoint
 
     e2e = load_e2e()
     wanted = dict(fmt="gptq", bits=4, group_size=64, hidden=128, intermediate=64, experts=4, top_k=2, layers=2,
                   quantize_attention=False, float_reference=False)  # fmt: skip
     ckpt = tmp_path / "ck"
-    assert not e2e.reusable(ckpt, wanted, load_spec)
+    assert not e2e.reusable(ckpt, wanted, load_spec, CheckpointSpec)
     make_checkpoint(ckpt, **wanted)
-    assert e2e.reusable(ckpt, wanted, load_spec)
+    assert e2e.reusable(ckpt, wanted, load_spec, CheckpointSpec)
     with pytest.raises(SystemExit, match=r"layers: 2 there, 3 wanted"):
-        e2e.reusable(ckpt, {**wanted, "layers": 3}, load_spec)
+        e2e.reusable(ckpt, {**wanted, "layers": 3}, load_spec, CheckpointSpec)
+    with pytest.raises(SystemExit, match=r"seed: 0 there, 7 wanted"):  # a default field counts too
+        e2e.reusable(ckpt, {**wanted, "seed": 7}, load_spec, CheckpointSpec)
     described = e2e.describe_checkpoint(wanted)
     run = tmp_path / "run.json"
-    run.write_text(json.dumps([{"provider": "vllm-default", "ok": True, "checkpoint": described}]))
-    assert [r["provider"] for r in e2e.read_included(run, described)] == ["vllm-default"]
+    run.write_text(json.dumps([{"provider": "vllm-default", "ok": True, "checkpoint": described, "setting": "H100"}]))
+    assert [r["provider"] for r in e2e.read_included(run, described, "H100")] == ["vllm-default"]
     with pytest.raises(SystemExit, match=r"not this run's checkpoint"):
-        e2e.read_included(run, e2e.describe_checkpoint({**wanted, "layers": 3}))
+        e2e.read_included(run, e2e.describe_checkpoint({**wanted, "layers": 3}), "H100")
+    with pytest.raises(SystemExit, match=r"not this run's setting"):
+        e2e.read_included(run, described, "H200")
+
+
+def test_merged_rows_keep_one_per_provider_and_a_failure_never_replaces_a_good_row():
+    e2e = load_e2e()
+    good, failed = {"provider": "plugin-auto", "ok": True, "n": 1}, {"provider": "plugin-auto", "ok": False}
+    newer = {"provider": "plugin-auto", "ok": True, "n": 2}
+    other = {"provider": "vllm-default", "ok": True}
+    assert e2e.merged([good], [failed, other]) == [good, other]
+    assert e2e.merged([good, other], [newer]) == [newer, other]
+    assert e2e.merged([failed], [good]) == [good]

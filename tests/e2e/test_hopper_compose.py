@@ -167,17 +167,19 @@ def int8_checkpoint(checkpoint):
 # layer's measured error is 0.0052-0.0058 (bench/hopper_layer_diag.py, case int8-e2e); int4 with a checkpoint's
 # scales has the same 0.0050. A greedy run of a random-weight model then flips wherever two tokens are close, and which
 # kernel flips where is chance: not a fault of this kernel (docs/perf/hopper-path.md, seventeenth session).
-INT8_HOPPER_FLIP = pytest.mark.xfail(
-    strict=False,
-    reason="greedy flip at prompt 1 step 12 on this random checkpoint: bf16 weight rounding, every kernel's "
-    "(docs/perf/hopper-path.md)",
-)
+INT8_HOPPER_FLIP = "prompt 1 diverges at step 12"
 
 
-@pytest.mark.parametrize("backend", [pytest.param("hopper", marks=INT8_HOPPER_FLIP), "triton", "marlin"])
+@pytest.mark.parametrize("backend", ["hopper", "triton", "marlin"])
 def test_a_named_backend_on_an_int8_checkpoint_generates_like_the_reference(int8_checkpoint, tmp_path_factory, backend):
     """int8 is in the kernel's scope but not yet in auto's rule (backends/hopper.hopper_rule_gap): named
     (VLLM_WNA16_PLUS_BACKEND=hopper), every batch, decode graphs included, runs the int8 build. The controls on the
     same checkpoint, Triton and Marlin, generate like the reference (H100, 2026-12-07); the hopper run flips a token
-    at step 12 (INT8_HOPPER_FLIP above)."""
-    _named_backend_generates_like_the_reference(int8_checkpoint, tmp_path_factory, f"int8-{backend}", backend)
+    at step 12 (INT8_HOPPER_FLIP above): that flip, and only it, is an expected failure."""
+    try:
+        _named_backend_generates_like_the_reference(int8_checkpoint, tmp_path_factory, f"int8-{backend}", backend)
+    except AssertionError as exc:  # that one flip, and nothing else (a failed load or another divergence fails)
+        if backend == "hopper" and INT8_HOPPER_FLIP in str(exc):
+            pytest.xfail(f"greedy flip ({INT8_HOPPER_FLIP}) on this random checkpoint: bf16 weight rounding, every "
+                         "kernel's (docs/perf/hopper-path.md)")  # fmt: skip
+        raise

@@ -53,7 +53,7 @@ def test_auto_composed_with_humming_generates_like_the_reference(checkpoint, tmp
     ids=["awq-zero-points", "gptq-int8"],
 )
 def test_auto_composes_int8_and_zero_point_checkpoints_with_humming(checkpoint, tmp_path_factory, fmt, bits, sym):
-    """The Humming rule speaks for int8 and zero points too (backends/humming.HUMMING_RULE_BITS): an AWQ and an int8
+    """The Humming rule speaks for int8 and zero points too (backends/humming.HUMMING_RULE_FORMS): an AWQ and an int8
     checkpoint of the same dimensions compose under auto and generate like the reference."""
     from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint
 

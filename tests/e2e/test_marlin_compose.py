@@ -66,7 +66,7 @@ def test_auto_composed_with_marlin_generates_like_the_reference(checkpoint, tmp_
     ids=["awq-zero-points", "gptq-int8"],
 )
 def test_auto_composes_int8_and_zero_point_checkpoints_with_marlin(checkpoint, tmp_path_factory, fmt, bits, sym):
-    """The Marlin rule speaks for int8 and zero points too (backends/marlin.MARLIN_RULE_BITS): an AWQ and an int8
+    """The Marlin rule speaks for int8 and zero points too (backends/marlin.MARLIN_RULE_FORMS): an AWQ and an int8
     checkpoint of the same dimensions compose under auto (the hopper copy off, so that Marlin's rule sees the long
     prompt's batch) and generate like the reference."""
     from vllm_wna16_plugin.tools.make_checkpoint import make_checkpoint

@@ -86,7 +86,8 @@ def test_on_the_validation_set_no_choice_costs_more_than_10_percent():
 @pytest.mark.parametrize("run, bits, zp", [("2026-12-06-eda7a88-h200-int8.csv", 8, False),
                                            ("2026-12-06-eda7a88-h200-zp.csv", 4, True)])  # fmt: skip
 def test_int8_and_zero_points_follow_the_rule_where_measured(run, bits, zp):
-    """Three dev models at TP 4, M 16-4096 (auto's layer without Humming against Humming): the rule gives every
+    """Three dev models at TP 4, M 16-4096 (the plugin's own kernels against Humming; the zero-point layers' hopper
+    copy, which ran their 64+-row batches before, is not in these columns: backends/humming.py): the rule gives every
     point to Humming, which loses none by more than 2% (the points the run marked wrong have no time)."""
     got = decisions(run, bits=bits, zp=zp)
     assert len(got) == {8: 8, 4: 15}[bits], got
@@ -98,11 +99,11 @@ def test_the_rule_speaks_only_for_what_was_measured():
     qwen = problem_of(128, 8, 2048, 768)
     assert humming_rule_applies(qwen, H200) is None
     assert not humming_takes(qwen, 1, H200) and humming_takes(qwen, 16, H200) and humming_takes(qwen, 256, H200)
-    for measured in (problem_of(128, 8, 2048, 768, bits=8), problem_of(128, 8, 2048, 768, zp=True),
-                     problem_of(128, 8, 2048, 768, bits=8, zp=True)):  # fmt: skip
+    for measured in (problem_of(128, 8, 2048, 768, bits=8), problem_of(128, 8, 2048, 768, zp=True)):
         assert humming_rule_applies(measured, H200) is None  # int8 and zero points: the eda7a88 runs
         assert not humming_takes(measured, 1, H200) and humming_takes(measured, 256, H200)
-    for other in (problem_of(128, 8, 2048, 768, gs=CHANNELWISE), problem_of(128, 8, 2048, 768, gs=256)):
+    for other in (problem_of(128, 8, 2048, 768, gs=CHANNELWISE), problem_of(128, 8, 2048, 768, gs=256),
+                  problem_of(128, 8, 2048, 768, bits=8, zp=True)):  # fmt: skip  # int8 with zero points: never timed
         assert humming_rule_applies(other, H200) and not humming_takes(other, 256, H200)
     assert humming_rule_applies(qwen, PLAN_DEVICES["sm80"]) and not humming_takes(qwen, 256, PLAN_DEVICES["sm80"])
     act_order = dataclasses.replace(qwen, has_g_idx=True)

@@ -94,7 +94,8 @@ def test_the_rule_speaks_only_for_what_was_measured():
     for measured in (problem_of(8, 2, 4096, 3584, bits=8), problem_of(8, 2, 4096, 3584, zp=True)):
         assert marlin_rule_applies(measured, H200) is None  # int8 and zero points: the eda7a88 runs
         assert marlin_takes(measured, 64, H200) and not marlin_takes(measured, 4, H200)
-    for other in (problem_of(8, 2, 4096, 3584, gs=CHANNELWISE), problem_of(8, 2, 4096, 3584, gs=256)):
+    for other in (problem_of(8, 2, 4096, 3584, gs=CHANNELWISE), problem_of(8, 2, 4096, 3584, gs=256),
+                  problem_of(8, 2, 4096, 3584, bits=8, zp=True)):  # fmt: skip
         assert marlin_rule_applies(other, H200) and not marlin_takes(other, 64, H200)
     assert marlin_rule_applies(mixtral, PLAN_DEVICES["sm80"]) and not marlin_takes(mixtral, 64, PLAN_DEVICES["sm80"])
     tiny = problem_of(40, 8, 1536, 128)  # granite-3.1-3b-a800m at TP 4: 12 MB at most, the plugin's throughout

@@ -113,24 +113,21 @@ def pairs_per_expert(problem: MoEProblem, m: int) -> float:
     return m * problem.top_k * e_loc / e_glob / max(experts_hit(problem, m), 1e-9)
 
 
-def composition_scope(
-    problem: MoEProblem, device, *, bits: tuple[int, ...] = (4,), zero_points: bool = False
-) -> str | None:
+# (bits, zero points) forms: symmetric int4, the forms every composition rule was fitted on
+SYMMETRIC_INT4 = ((4, False),)
+
+
+def composition_scope(problem: MoEProblem, device, forms: tuple[tuple[int, bool], ...] = SYMMETRIC_INT4) -> str | None:
     """Why the rules that compose auto's layer with a vLLM kernel (backends/humming.py, backends/marlin.py;
     compose.py) do not speak for this layer on `device`, or None where they do: what their H200 development set
-    measured, sm90 with int4 (or the `bits` a rule names) in groups of 32-128 (16-128 for the down projection), no
-    act order, and zero points only where `zero_points` says a rule was measured with them."""
+    measured, sm90 with one of a rule's (bits, zero points) `forms` in groups of 32-128 (16-128 for the down
+    projection) and no act order."""
     if device.platform != "cuda" or device.sm != 90:
         return f"measured on sm90 only (device is {device.platform} sm{device.sm})"
     scheme = problem.scheme
-    forms = "/".join(f"int{b}" for b in bits) + (", symmetric or with zero points," if zero_points else ", symmetric,")
-    if (
-        scheme.bits not in bits
-        or (scheme.has_zero_point and not zero_points)
-        or scheme.is_channelwise
-        or problem.has_g_idx
-    ):
-        return f"measured for {forms} with groups only"
+    if (scheme.bits, scheme.has_zero_point) not in forms or scheme.is_channelwise or problem.has_g_idx:
+        named = ", ".join(f"int{bits}{' with zero points' if zp else ' symmetric'}" for bits, zp in forms)
+        return f"measured for {named} with groups only"
     if not (32 <= problem.group_size_w13 <= 128 and 16 <= problem.group_size_w2 <= 128):
         return f"group sizes {problem.group_size_w13}/{problem.group_size_w2} not measured"
     return None

@@ -303,7 +303,10 @@ HUMMING_M1_BAR_UP_TO = 2
 # an independent check) granite-3.1-3b-a800m at TP 4 (12 MB) ran M=1024 / 4096 on the hopper copy in 90.9 / 261 µs
 # against Humming's 72.3 / 242.
 HUMMING_PREFILL_ROWS = 64.0
-HUMMING_RULE_SOURCE = "Humming rule (backends/humming.py; H200 dev set 2026-12-05-c410069-dev, validated on -val4)"
+HUMMING_RULE_SOURCE = (
+    "Humming rule (backends/humming.py; H200 dev set 2026-12-05-c410069-dev, validated on -val4; int8 and zero "
+    "points: 2026-12-06-eda7a88-h200-int8 / -zp)"
+)
 ENV_COMPOSE = "VLLM_WNA16_PLUS_HUMMING"  # auto (default): compose while memory allows; 1: always; 0: never
 
 
@@ -324,24 +327,27 @@ def humming_copy_bytes(problem: MoEProblem) -> int:
     return e * total
 
 
-# int8 and zero points (AWQ, GPTQ sym=false) under the same rule: the layer auto ran without Humming (the plugin's
-# kernels, and for zero points the hopper copy from 64 rows) against Humming on three dev models at TP 4, M 16-4096
-# (H200, vLLM 0.34.0, bench/results/h200/2026-12-06-eda7a88-h200-zp.md and -h200-int8.md): Humming was faster on 22
-# of the 23 points measured right (auto / Humming µs, zero points: Mixtral-8x7B M=64 198 / 113, Qwen3-30B-A3B
-# M=4096 455 / 430; int8: Phi-3.5-MoE M=16 266 / 98), the 23rd even (int8 Qwen3-30B-A3B M=16, 70.0 / 70.8). Every
-# one of them reads more than the bytes bar (48 MB and up), so the rule gives all 23 to Humming. The hopper copy
-# alone was faster than Humming on 5 of 6 zero-point points at M 1024-4096 (by 3-15%; Humming by 15% on
-# Qwen3-30B-A3B at M=1024) and on int8 Mixtral-8x7B (1.26-1.37x): beside Humming it takes none of them (the prefill
-# clause), a loss there against 1.1-2.7x at M 16-256. Below M=16 neither form was timed beside Humming:
-# the bar leaves their small reads to the plugin, as it does for int4 (what auto ran there before).
-HUMMING_RULE_BITS = (4, 8)
-HUMMING_RULE_ZERO_POINTS = True
+# Symmetric int8 and int4 with zero points (AWQ, GPTQ sym=false) under the same rule: the plugin's own kernels
+# against Humming on three dev models at TP 4, M 16-4096 (H200, vLLM 0.34.0, bench/results/h200/
+# 2026-12-06-eda7a88-h200-zp.md and -h200-int8.md): Humming was faster on 22 of the 23 points measured right
+# (plugin / Humming µs, zero points: Mixtral-8x7B M=64 198 / 113, Qwen3-30B-A3B M=4096 455 / 430; int8: Phi-3.5-MoE
+# M=16 266 / 98), the 23rd even (int8 Qwen3-30B-A3B M=16, 70.0 / 70.8); all read more than the bytes bar (48 MB and
+# up), so the rule gives all 23 to Humming. What auto ran before on the zero-point layers' 64+-row batches was the
+# hopper copy (HOPPER_RULE_FORMS), and there Humming, which goes first (HOPPER_BEFORE), is not always faster: the
+# hopper layer led on 5 of those 7 points by 3-15% (Mixtral-8x7B M=4096 1165 / 1338) and trailed on 2 by 15-19%
+# (Mixtral-8x7B M=256 213 / 178, Qwen3-30B-A3B M=1024 163 / 141): even in geomean (1.00), Humming's copy kept as for
+# int4. Below M=16 neither form was timed beside Humming; the bytes bar reads int8's doubled bytes, so some decode
+# batches of large experts go to Humming untimed (int8 Mixtral-8x7B at TP 4 from M=1, 84 MB; zero points and int8
+# on Mixtral-8x7B and Phi-3.5-MoE at TP 4 from M 2-4, int8 Qwen3-30B-A3B from M=4); the small reads stay on the
+# plugin. int8 with zero points was
+# never measured: outside the rule.
+HUMMING_RULE_FORMS = ((4, False), (4, True), (8, False))  # (bits, zero points)
 
 
 def humming_rule_applies(problem: MoEProblem, device) -> str | None:
     """Why the Humming rule does not speak for a layer on a device (None: it does): the composition scope with
-    the forms measured beside Humming (HUMMING_RULE_BITS, HUMMING_RULE_ZERO_POINTS)."""
-    return composition_scope(problem, device, bits=HUMMING_RULE_BITS, zero_points=HUMMING_RULE_ZERO_POINTS)
+    the forms measured beside Humming (HUMMING_RULE_FORMS)."""
+    return composition_scope(problem, device, HUMMING_RULE_FORMS)
 
 
 def humming_takes(problem: MoEProblem, m: int, device) -> bool:

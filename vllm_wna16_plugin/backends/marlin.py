@@ -46,7 +46,10 @@ MARLIN_MIN_BYTES_SMALL = 40e6  # ... and this much read
 MARLIN_MIN_ROWS_LARGE = 4  # or, for the largest reads, this many rows ...
 MARLIN_MIN_BYTES_LARGE = 600e6  # ... and this much read
 MARLIN_MAX_TOKENS = 256  # the dev set's last point where Marlin led; the plugin's from 512
-MARLIN_RULE_SOURCE = "Marlin rule (backends/marlin.py; H200 dev set 2026-12-05-c410069-dev and 2026-12-06-3038a96-mid)"
+MARLIN_RULE_SOURCE = (
+    "Marlin rule (backends/marlin.py; H200 dev set 2026-12-05-c410069-dev and 2026-12-06-3038a96-mid; int8 and zero "
+    "points: 2026-12-06-eda7a88-h200-int8 / -zp)"
+)
 ENV_COMPOSE = "VLLM_WNA16_PLUS_MARLIN"  # auto (default): compose while memory allows; 1: always; 0: never
 
 
@@ -67,15 +70,14 @@ def marlin_copy_bytes(problem: MoEProblem) -> int:
 # points Mixtral-8x7B M=64 198 / 122, int8 Phi-3.5-MoE M=64 315 / 120). On the other 7 (1.6-4 rows per hit expert)
 # it leaves the plugin's kernels, as before the rule spoke for these forms, where Marlin was faster too (1.12-2.73x:
 # int8 Phi-3.5-MoE M=16 266 / 97): the plugin's int8 and zero-point kernels at few rows per expert are issue 22's
-# open work, not fitted here. Marlin has no int8 kernel with zero points (incompatibility_reason).
-MARLIN_RULE_BITS = (4, 8)
-MARLIN_RULE_ZERO_POINTS = True
+# open work, not fitted here. Marlin has no int8 kernel with zero points (incompatibility_reason), nor was it timed.
+MARLIN_RULE_FORMS = ((4, False), (4, True), (8, False))  # (bits, zero points)
 
 
 def marlin_rule_applies(problem: MoEProblem, device) -> str | None:
     """Why the Marlin rule does not speak for a layer on a device (None: it does): the composition scope with the
-    forms measured beside Marlin (MARLIN_RULE_BITS, MARLIN_RULE_ZERO_POINTS)."""
-    return composition_scope(problem, device, bits=MARLIN_RULE_BITS, zero_points=MARLIN_RULE_ZERO_POINTS)
+    forms measured beside Marlin (MARLIN_RULE_FORMS)."""
+    return composition_scope(problem, device, MARLIN_RULE_FORMS)
 
 
 def marlin_takes(problem: MoEProblem, m: int, device) -> bool:

@@ -109,12 +109,14 @@ def e2e_jobs() -> int:
 
 
 def _llm_spec(model: Path, *, backend: str | None = None, quantization: str | None = "moe_wna16_plus",
-              eager: bool = False, tp: int = 1, moe_backend: str = "auto", prompts=None,
+              eager: bool = False, tp: int = 1, ep: bool = False, moe_backend: str = "auto", prompts=None,
               max_tokens: int = 16, dtype: str | None = None, env: dict[str, str] | None = None,
               reload_from: Path | None = None) -> tuple[str, dict, str | None]:  # fmt: skip
-    tag = f"{backend or moe_backend}-{quantization}-tp{tp}-{'eager' if eager else 'graphs'}"
+    tag = f"{backend or moe_backend}-{quantization}-tp{tp}{'-ep' if ep else ''}-{'eager' if eager else 'graphs'}"
     spec = dict(model=str(model), quantization=quantization, prompts=prompts or PROMPTS, eager=eager, tp=tp,
                 moe_backend=moe_backend, max_tokens=max_tokens)  # fmt: skip
+    if ep:  # vLLM's --enable-expert-parallel: each rank holds whole experts (needs tp > 1 to split them)
+        spec["ep"] = True
     if dtype is not None:  # vLLM's --dtype; the checkpoint's own (bfloat16) when None
         tag, spec["dtype"] = f"{tag}-{dtype}", dtype
     if env:  # variables the run sets before it imports vLLM
@@ -172,7 +174,7 @@ def start_llm(model: Path, tmp_path: Path, **kwargs) -> None:
 def run_llm(model: Path, tmp_path: Path, **kwargs) -> Run:
     """LLM(model, quantization=...) greedy on `prompts` in a fresh process; backend sets VLLM_WNA16_PLUS_BACKEND.
 
-    Keywords: backend, quantization, eager, tp, moe_backend, prompts, max_tokens, dtype, env, reload_from, timeout. A run
+    Keywords: backend, quantization, eager, tp, ep, moe_backend, prompts, max_tokens, dtype, env, reload_from, timeout. A run
     started earlier by start_llm with the same arguments is waited for instead of run again."""
     started = _STARTED.get(_key(model, **kwargs))
     return started.result() if started is not None else _run_llm_now(model, tmp_path, **kwargs)

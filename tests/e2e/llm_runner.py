@@ -3,7 +3,7 @@
     python tests/e2e/llm_runner.py SPEC_JSON OUT_JSON
 
 SPEC: {"model": path, "quantization": "moe_wna16_plus" | "moe_wna16" | ..., "prompts": [...],
-       "max_tokens": 16, "eager": false, "moe_backend": "auto", "tp": 1, "logprobs": 5, "dtype": "auto",
+       "max_tokens": 16, "eager": false, "moe_backend": "auto", "tp": 1, "ep": false, "logprobs": 5, "dtype": "auto",
        "env": {name: value, set before vLLM is imported}, "reload_from": path (optional)}
 With reload_from, the run generates once, reloads the weights of that checkpoint into the running engine
 (vLLM's reload_weights on each worker: the layers' own tensors, which the captured CUDA graphs read) and
@@ -58,6 +58,7 @@ def make_llm(spec: dict):
         dtype=spec.get("dtype", "auto"),
         moe_backend=spec.get("moe_backend", "auto"),
         tensor_parallel_size=spec.get("tp", 1),
+        enable_expert_parallel=spec.get("ep", False),  # vLLM's --enable-expert-parallel: whole experts per rank
         max_model_len=256,
         max_num_seqs=8,
         # a fixed, small KV cache skips vLLM's memory profiling, so that several runs share one GPU

@@ -20,6 +20,7 @@ from vllm_wna16_plugin.checkpoint_config import (
     CheckpointQuantConfig,
     parse_quantization_config,
 )
+from vllm_wna16_plugin.stored_tensors import experts_left_unquantized, format_mismatch, scheme_tensors_absent
 
 QUANTIZATION_NAME = "moe_wna16_plus"
 
@@ -101,6 +102,8 @@ def make_config_class():
             except Exception as exc:  # noqa: BLE001 - no metadata: every listed module is quantized
                 logger.debug("moe_wna16_plus: no safetensors metadata for %s (%s)", model_name, exc)
                 return
+            if mismatch := format_mismatch(self.parsed.quant_method, metadata):
+                raise mismatch
             self._stored_dtypes = {name: info.get("dtype") for name, info in metadata.items()}
             self._learn_stored_modules()
             if self.parsed.quant_method == "gptq":
@@ -113,6 +116,7 @@ def make_config_class():
             names = dict(self._stored_dtypes)
             for mapper in self._mappers:
                 names = {new: dtype for name, dtype in names.items() if (new := _vllm.map_weight_name(mapper, name))}
+            self._stored_names = set(names)
             self._quantized_modules = {name.rsplit(".", 1)[0] for name, dtype in names.items() if dtype not in floats}
             # modules stored as a float `.weight` (an expert left unquantized), the routed experts' check
             self._float_modules = {
@@ -176,12 +180,7 @@ def make_config_class():
                     "dynamic rules then name the whole experts module)"
                 )
             if scheme is None and quantized:
-                raise ValueError(
-                    f"moe_wna16_plus: {prefix}: quantization_config leaves its routed experts unquantized (read, as "
-                    f"vLLM reads it, through expert 0's {'/'.join(experts)}), but the checkpoint stores them "
-                    f"quantized ({quantized[0]}); the config's module rules (modules_in_block_to_quantize, dynamic, "
-                    "ignore, modules_to_not_convert) must name the experts as quantized"
-                )
+                raise experts_left_unquantized(prefix, experts, quantized[0])
 
         def _delegate(self):
             if self._linear_delegate is None:
@@ -249,6 +248,8 @@ def make_config_class():
                 if scheme is None:
                     logger.info("moe_wna16_plus: %s is not quantized in the checkpoint; unquantized MoE", prefix)
                     return _vllm.unquantized_moe_method(layer.moe_config)
+                if absent := scheme_tensors_absent(scheme, prefix, getattr(self, "_stored_names", ())):
+                    raise absent
                 from vllm_wna16_plugin.moe_method import make_moe_method
 
                 return make_moe_method(scheme, layer.moe_config, prefix)

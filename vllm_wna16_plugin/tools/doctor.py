@@ -42,6 +42,12 @@ from vllm_wna16_plugin.launch_plan import plan as launch_plan
 from vllm_wna16_plugin.oracle import collect_verdicts, select_backend
 from vllm_wna16_plugin.packing import check_packable
 from vllm_wna16_plugin.scheme import WNA16Scheme, not_an_int, type_name
+from vllm_wna16_plugin.stored_tensors import (
+    experts_left_unquantized,
+    format_mismatch,
+    scheme_tensors_absent,
+    stored_quantized_experts,
+)
 
 # --device: what each name is planned as (sm90 is the H200 whose tuned configs and crossovers ship)
 DEVICES = PLAN_DEVICES
@@ -296,20 +302,27 @@ def moe_layer_prefixes(cfg: Mapping, dims: MoEDims) -> tuple[dict[int, str], str
     return prefixes, f"{layout.prefix(0).replace('.0.', '.{i}.')} ({naming})"
 
 
-def stored_tensor_names(model_dir: str | Path) -> set[str]:
-    """The tensor names of the checkpoint's safetensors files (their headers only; none when there are none)."""
-    names: set[str] = set()
-    try:
-        from safetensors import safe_open
-    except ImportError:  # doctor without safetensors reads config.json alone
-        return names
+def stored_tensors(model_dir: str | Path) -> dict[str, dict]:
+    """{tensor name: {"dtype", "shape"}} of the checkpoint's safetensors files, from their headers (as vLLM's
+    get_safetensors_params_metadata reads them at load; none when there are no files). A file whose header cannot
+    be read is skipped: the readers that need it report it by name."""
+    import struct
+
+    out: dict[str, dict] = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         try:
-            with safe_open(str(f), "pt") as st:
-                names.update(st.keys())
+            with open(f, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(size))
         except Exception:  # noqa: BLE001 - a damaged file is reported by the readers that need it, with its name
             continue
-    return names
+        out.update({k: v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)})
+    return out
+
+
+def stored_tensor_names(model_dir: str | Path) -> set[str]:
+    """The tensor names of the checkpoint's safetensors files (stored_tensors)."""
+    return set(stored_tensors(model_dir))
 
 
 def moe_schemes(
@@ -324,18 +337,20 @@ def moe_schemes(
     moe=True)), so dynamic rules, modules_in_block_to_quantize, modules_to_not_convert, ignore and
     several config_groups give the plan loading will run; a layer loading refuses raises here too. stored (the
     safetensors' tensor names): GPTQ experts stored quantized load so whatever modules_in_block_to_quantize lists
-    (CheckpointQuantConfig.stored_experts_scheme), as in MoeWNA16PlusConfig.get_quant_method. experts: the
-    model's names of an expert's gate, up and down projections, which the rules are probed with (MoELayout).
+    (CheckpointQuantConfig.stored_experts_scheme), as in MoeWNA16PlusConfig.get_quant_method; other formats' experts
+    stored quantized where the rules leave them unquantized are refused, as loading refuses them
+    (stored_tensors.experts_left_unquantized). experts: the model's names of an expert's gate, up and down
+    projections, which the rules are probed with (MoELayout).
     """
     by_scheme: dict[WNA16Scheme | None, list[int]] = {}
     for i, prefix in prefixes.items():
         scheme = parsed.scheme_for(prefix, moe=True, expert_names=experts)
-        head = f"{prefix}."
-        if scheme is None and any(
-            n.startswith(head) and n[len(head) : len(head) + 1].isdigit() and n.endswith(".qweight")
-            for n in stored or ()
-        ):
+        if scheme is None and (quantized := stored_quantized_experts(prefix, stored or ())):
             scheme = parsed.stored_experts_scheme(prefix)
+            if scheme is None:
+                raise experts_left_unquantized(prefix, experts, quantized[0])
+        if scheme is not None and stored and (absent := scheme_tensors_absent(scheme, prefix, stored)):
+            raise absent
         by_scheme.setdefault(scheme, []).append(i)
     return tuple(MoESchemeLayers(scheme, tuple(layers)) for scheme, layers in by_scheme.items())
 
@@ -524,7 +539,10 @@ def resolve_checkpoint(model_dir: str | Path, tp: int = 1, device: str = "sm90",
     check_expert_math_of(cfg, dims)
     prefixes, naming = moe_layer_prefixes(cfg, dims)
     layout = moe_layout(cfg)[1]
-    groups = moe_schemes(parsed, prefixes, layout.as_vllm_names(stored_tensor_names(model_dir)), layout.experts)
+    stored = stored_tensors(model_dir)
+    if mismatch := format_mismatch(parsed.quant_method, stored):
+        raise mismatch
+    groups = moe_schemes(parsed, prefixes, layout.as_vllm_names(set(stored)), layout.experts)
     for g in groups:  # TP-independent: the sizes against each scheme's packing and group size
         if g.scheme is not None:
             check_packable(g.scheme.bits, dims.hidden, dims.intermediate, prefixes[g.layers[0]])

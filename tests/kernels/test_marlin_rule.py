@@ -105,8 +105,8 @@ def test_the_rule_speaks_only_for_what_was_measured():
 @pytest.mark.parametrize("run, bits, zp", [("2026-12-06-eda7a88-h200-int8.csv", 8, False),
                                            ("2026-12-06-eda7a88-h200-zp.csv", 4, True)])  # fmt: skip
 def test_int8_and_zero_points_go_to_marlin_only_where_it_was_faster(run, bits, zp):
-    """Three dev models at TP 4, M 16-256 (the plugin's layer against Marlin): every point the rule hands Marlin
-    was Marlin's; the points it leaves the plugin (few rows per expert) are the plugin kernels' open work."""
+    """Three dev models at TP 4, M 16-256 (the plugin's layer against Marlin): Marlin was the faster on every point,
+    and the rule hands it every one (the M=16 points, 1.57-4 rows per hit expert, by the forms' own bar)."""
     shapes = {name: shape for name, (_, shape) in catalog_shapes().items()}
     times: dict[tuple[str, int], dict[str, float]] = {}
     with open(RESULTS / run, newline="") as f:
@@ -123,7 +123,7 @@ def test_int8_and_zero_points_go_to_marlin_only_where_it_was_faster(run, bits, z
             taken += 1
         else:
             left += 1
-    assert (taken, left) == {8: (3, 3), 4: (5, 4)}[bits]
+    assert (taken, left) == {8: (6, 0), 4: (9, 0)}[bits]
 
 
 def test_the_copy_is_counted_at_the_weights_bits():

@@ -66,12 +66,18 @@ def marlin_copy_bytes(problem: MoEProblem) -> int:
 
 # int8 and zero points (AWQ, GPTQ sym=false) under the same rule: the plugin's layer against Marlin on three dev
 # models at TP 4, M 16-256 (H200, vLLM 0.34.0's Marlin, bench/results/h200/2026-12-06-eda7a88-h200-zp.md and
-# -h200-int8.md): the rule takes 8 of the 15 points and Marlin was the faster on all 8 (plugin / Marlin µs: zero
-# points Mixtral-8x7B M=64 198 / 122, int8 Phi-3.5-MoE M=64 315 / 120). On the other 7 (1.6-4 rows per hit expert)
-# it leaves the plugin's kernels, as before the rule spoke for these forms, where Marlin was faster too (1.12-2.73x:
-# int8 Phi-3.5-MoE M=16 266 / 97): the plugin's int8 and zero-point kernels at few rows per expert are issue 22's
-# open work, not fitted here. Marlin has no int8 kernel with zero points (incompatibility_reason), nor was it timed.
+# -h200-int8.md): the symmetric int4 bars take 8 of the 15 points and Marlin was the faster on all 8 (plugin /
+# Marlin µs: zero points Mixtral-8x7B M=64 198 / 122, int8 Phi-3.5-MoE M=64 315 / 120). The other 7 (M=16, 1.6-4
+# rows per hit expert, 50-353 MB read) were Marlin's too, by 1.12-2.73x (int8 Phi-3.5-MoE M=16 266 / 97; zero
+# points Qwen3-30B-A3B M=16, 50 MB, 56.7 / 50.5): the plugin's int8 and zero-point kernels at a few rows per expert
+# have none of the int4 decode kernels' lead (int8 runs the Triton tiles: the CUDA kernel's rule is int4's). For
+# these forms Marlin also takes from MARLIN_FORM_MIN_ROWS rows with MARLIN_FORM_MIN_BYTES read, the least of those
+# 7 points (not timed below 1.57 rows, nor on the validation set). Marlin has no int8 kernel with zero points
+# (incompatibility_reason), nor was it timed.
 MARLIN_RULE_FORMS = ((4, False), (4, True), (8, False))  # (bits, zero points)
+MARLIN_FAST_FORMS = ((4, True), (8, False))  # the forms whose few-row batches Marlin takes too
+MARLIN_FORM_MIN_ROWS = 1.57  # Qwen3-30B-A3B at TP 4, M=16: 1.578 rows, 50 MB read
+MARLIN_FORM_MIN_BYTES = 45e6
 
 
 def marlin_rule_applies(problem: MoEProblem, device) -> str | None:
@@ -84,7 +90,8 @@ def marlin_takes(problem: MoEProblem, m: int, device) -> bool:
     """Whether auto runs `m` tokens of this layer on Marlin (the rule above): m <= MARLIN_MAX_TOKENS and
 
         (rows, read) >= (MARLIN_MIN_ROWS, MARLIN_MIN_BYTES), (MARLIN_MIN_ROWS_SMALL, MARLIN_MIN_BYTES_SMALL) or
-        (MARLIN_MIN_ROWS_LARGE, MARLIN_MIN_BYTES_LARGE), each pair compared element-wise
+        (MARLIN_MIN_ROWS_LARGE, MARLIN_MIN_BYTES_LARGE), each pair compared element-wise, and for int8 and
+        zero-point layers (MARLIN_FAST_FORMS) also (MARLIN_FORM_MIN_ROWS, MARLIN_FORM_MIN_BYTES)
 
     rows = base.pairs_per_expert(problem, m), read = base.experts_read(problem, m)."""
     if m > MARLIN_MAX_TOKENS or marlin_rule_applies(problem, device):
@@ -95,6 +102,8 @@ def marlin_takes(problem: MoEProblem, m: int, device) -> bool:
         (MARLIN_MIN_ROWS_SMALL, MARLIN_MIN_BYTES_SMALL),
         (MARLIN_MIN_ROWS_LARGE, MARLIN_MIN_BYTES_LARGE),
     )
+    if (problem.scheme.bits, bool(problem.scheme.has_zero_point)) in MARLIN_FAST_FORMS:
+        bars += ((MARLIN_FORM_MIN_ROWS, MARLIN_FORM_MIN_BYTES),)
     return any(rows >= min_rows and read >= min_bytes for min_rows, min_bytes in bars)
 
 

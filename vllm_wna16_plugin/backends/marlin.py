@@ -67,13 +67,13 @@ def marlin_copy_bytes(problem: MoEProblem) -> int:
 # int8 and zero points (AWQ, GPTQ sym=false) under the same rule: the plugin's layer against Marlin on three dev
 # models at TP 4, M 16-256 (H200, vLLM 0.34.0's Marlin, bench/results/h200/2026-12-06-eda7a88-h200-zp.md and
 # -h200-int8.md): the symmetric int4 bars take 8 of the 15 points and Marlin was the faster on all 8 (plugin /
-# Marlin µs: zero points Mixtral-8x7B M=64 198 / 122, int8 Phi-3.5-MoE M=64 315 / 120). The other 7 (M=16, 1.6-4
-# rows per hit expert, 50-353 MB read) were Marlin's too, by 1.12-2.73x (int8 Phi-3.5-MoE M=16 266 / 97; zero
-# points Qwen3-30B-A3B M=16, 50 MB, 56.7 / 50.5): the plugin's int8 and zero-point kernels at a few rows per expert
-# have none of the int4 decode kernels' lead (int8 runs the Triton tiles: the CUDA kernel's rule is int4's). For
-# these forms Marlin also takes from MARLIN_FORM_MIN_ROWS rows with MARLIN_FORM_MIN_BYTES read, the least of those
-# 7 points (not timed below 1.57 rows, nor on the validation set). Marlin has no int8 kernel with zero points
-# (incompatibility_reason), nor was it timed.
+# Marlin µs: zero points Mixtral-8x7B M=64 198 / 122, int8 Phi-3.5-MoE M=64 315 / 120). The other 7 (M=16 on all
+# three, and zero points on Qwen3-30B-A3B at M=64: 1.58-4.1 rows per hit expert, 50-353 MB read) were Marlin's too,
+# by 1.12-2.73x (int8 Phi-3.5-MoE M=16 266 / 97; zero points Qwen3-30B-A3B M=16, 50 MB, 56.7 / 50.5): the plugin's
+# int8 and zero-point kernels at a few rows per expert have none of the int4 decode kernels' lead (int8 runs the
+# Triton tiles: the CUDA kernel's rule is int4's). For these forms Marlin also takes from MARLIN_FORM_MIN_ROWS rows
+# with MARLIN_FORM_MIN_BYTES read, the least of those 7 points (not timed below them, nor on the validation set).
+# Marlin has no int8 kernel with zero points (incompatibility_reason), nor was it timed.
 MARLIN_RULE_FORMS = ((4, False), (4, True), (8, False))  # (bits, zero points)
 MARLIN_FAST_FORMS = ((4, True), (8, False))  # the forms whose few-row batches Marlin takes too
 MARLIN_FORM_MIN_ROWS = 1.57  # Qwen3-30B-A3B at TP 4, M=16: 1.578 rows, 50 MB read

@@ -38,7 +38,8 @@ def test_ep2_generates_like_tp1(tmp_path, backend):
     ids=["gptq-desc-act-auto", "gptq-desc-act-triton", "awq-auto"],
 )
 def test_tp2_forms_generate_like_tp1(tmp_path, fmt, desc_act, backend):
-    path = _checkpoint(tmp_path, fmt=fmt, desc_act=desc_act, sym=fmt != "awq")
+    # vLLM 0.30+ refuses act order on linear layers: attention stays bf16 in the act-order checkpoint
+    path = _checkpoint(tmp_path, fmt=fmt, desc_act=desc_act, sym=fmt != "awq", quantize_attention=not desc_act)
     tp1 = run_llm(path, tmp_path, moe_backend=backend, tp=1).require_ok("TP=1")
     tp2 = run_llm(path, tmp_path, moe_backend=backend, tp=2).require_ok("TP=2")
     assert_generates_like(tp2, tp1, f"TP=2 vs TP=1 ({fmt}{' desc_act' if desc_act else ''}, {backend})")

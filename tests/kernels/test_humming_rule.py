@@ -95,6 +95,17 @@ def test_int8_and_zero_points_follow_the_rule_where_measured(run, bits, zp):
     assert all(d[3] < 1.02 for d in got), max(got, key=lambda d: d[3])
 
 
+def test_zero_points_at_decode_follow_the_rule():
+    """Three dev models at TP 4, M 1-8 (H100, the run cut short after three models): the bytes bars give the plugin
+    M 1-4 on all three and Humming M=8 (Qwen3-235B-A22B from M=4); every choice is the faster side, or even (Qwen3-235B
+    M=4, 49.8 / 49.9 µs)."""
+    got = decisions("../h100/2026-12-07-d59df80-h100-zp-small.csv", bits=4, zp=True)
+    assert len(got) == 12, got
+    assert [(d[0], d[1]) for d in got if d[2]] == [("Qwen1.5-MoE-A2.7B@tp4", 8), ("Qwen3-235B-A22B@tp4", 4),
+                                                   ("Qwen3-235B-A22B@tp4", 8), ("Qwen3-30B-A3B@tp4", 8)]  # fmt: skip
+    assert all(d[3] < 1.01 for d in got), max(got, key=lambda d: d[3])
+
+
 def test_the_rule_speaks_only_for_what_was_measured():
     qwen = problem_of(128, 8, 2048, 768)
     assert humming_rule_applies(qwen, H200) is None

@@ -94,6 +94,7 @@ def test_the_rule_speaks_only_for_what_was_measured():
     for measured in (problem_of(8, 2, 4096, 3584, bits=8), problem_of(8, 2, 4096, 3584, zp=True)):
         assert marlin_rule_applies(measured, H200) is None  # int8 and zero points: the eda7a88 runs
         assert marlin_takes(measured, 64, H200) and not marlin_takes(measured, 4, H200)
+        assert marlin_takes(measured, 8, H200)  # 2.3 rows, 160 MB: the forms' bar (timed at 1.27 rows on others)
     for other in (problem_of(8, 2, 4096, 3584, gs=CHANNELWISE), problem_of(8, 2, 4096, 3584, gs=256),
                   problem_of(8, 2, 4096, 3584, bits=8, zp=True)):  # fmt: skip
         assert marlin_rule_applies(other, H200) and not marlin_takes(other, 64, H200)
@@ -102,14 +103,22 @@ def test_the_rule_speaks_only_for_what_was_measured():
     assert not any(marlin_takes(tiny, m, H200) for m in (64, 128, 256))
 
 
-@pytest.mark.parametrize("run, bits, zp", [("2026-12-06-eda7a88-h200-int8.csv", 8, False),
-                                           ("2026-12-06-eda7a88-h200-zp.csv", 4, True)])  # fmt: skip
-def test_int8_and_zero_points_go_to_marlin_only_where_it_was_faster(run, bits, zp):
-    """Three dev models at TP 4, M 16-256 (the plugin's layer against Marlin): Marlin was the faster on every point,
-    and the rule hands it every one (the M=16 points, 1.57-4 rows per hit expert, by the forms' own bar)."""
+@pytest.mark.parametrize(
+    "run, bits, zp, counts",
+    [
+        (RESULTS / "2026-12-06-eda7a88-h200-int8.csv", 8, False, (6, 0)),
+        (RESULTS / "2026-12-06-eda7a88-h200-zp.csv", 4, True, (9, 0)),
+        (ROOT / "bench" / "results" / "h100" / "2026-12-07-d59df80-h100-zp-small.csv", 4, True, (2, 6)),
+    ],
+    ids=["int8-h200-m16-256", "zp-h200-m16-256", "zp-h100-m1-8"],
+)
+def test_int8_and_zero_points_go_to_marlin_exactly_where_it_was_faster(run, bits, zp, counts):
+    """Three dev models at TP 4, M 16-256 (H200), and three at M 1-8 (H100: Marlin ran two) (the plugin's layer
+    against Marlin): Marlin was the faster on every M 16-256 point and at M=8, the plugin at M 1-4; the rule (the
+    forms' own bar, marlin.MARLIN_FAST_FORMS) takes exactly Marlin's points."""
     shapes = {name: shape for name, (_, shape) in catalog_shapes().items()}
     times: dict[tuple[str, int], dict[str, float]] = {}
-    with open(RESULTS / run, newline="") as f:
+    with open(run, newline="") as f:
         for r in csv.DictReader(f):
             if r["median_us"] and int(r["M"]) <= MARLIN_MAX_TOKENS:
                 times.setdefault((r["shape"], int(r["M"])), {})[r["provider"]] = float(r["median_us"])
@@ -118,12 +127,10 @@ def test_int8_and_zero_points_go_to_marlin_only_where_it_was_faster(run, bits, z
         if "vllm-marlin" not in t or "plugin-auto" not in t:
             continue
         s = shapes[re.sub(r"-int\d+-g\d+$", "", shape)]
-        if marlin_takes(problem_of(s.E, s.top_k, s.H, s.I, s.gs, bits=bits, zp=zp, gs2=s.group_w2), m, H200):
-            assert t["vllm-marlin"] < t["plugin-auto"], (shape, m, t)
-            taken += 1
-        else:
-            left += 1
-    assert (taken, left) == {8: (6, 0), 4: (9, 0)}[bits]
+        takes = marlin_takes(problem_of(s.E, s.top_k, s.H, s.I, s.gs, bits=bits, zp=zp, gs2=s.group_w2), m, H200)
+        assert takes == (t["vllm-marlin"] < t["plugin-auto"]), (shape, m, t)
+        taken, left = taken + takes, left + (not takes)
+    assert (taken, left) == counts
 
 
 def test_the_copy_is_counted_at_the_weights_bits():

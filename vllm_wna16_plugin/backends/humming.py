@@ -305,7 +305,7 @@ HUMMING_M1_BAR_UP_TO = 2
 HUMMING_PREFILL_ROWS = 64.0
 HUMMING_RULE_SOURCE = (
     "Humming rule (backends/humming.py; H200 dev set 2026-12-05-c410069-dev, validated on -val4; int8 and zero "
-    "points: 2026-12-06-eda7a88-h200-int8 / -zp)"
+    "points: 2026-12-06-eda7a88-h200-int8 / -zp, H100 2026-12-07-d59df80-h100-zp-small)"
 )
 ENV_COMPOSE = "VLLM_WNA16_PLUS_HUMMING"  # auto (default): compose while memory allows; 1: always; 0: never
 
@@ -336,11 +336,13 @@ def humming_copy_bytes(problem: MoEProblem) -> int:
 # hopper copy (HOPPER_RULE_FORMS), and there Humming, which goes first (HOPPER_BEFORE), is not always faster: the
 # hopper layer led on 5 of those 7 points by 3-15% (Mixtral-8x7B M=4096 1165 / 1338) and trailed on 2 by 15-19%
 # (Mixtral-8x7B M=256 213 / 178, Qwen3-30B-A3B M=1024 163 / 141): even in geomean (1.00), Humming's copy kept as for
-# int4. Below M=16 neither form was timed beside Humming; the bytes bar reads int8's doubled bytes, so some decode
-# batches of large experts go to Humming untimed (int8 Mixtral-8x7B at TP 4 from M=1, 84 MB; zero points and int8
-# on Mixtral-8x7B and Phi-3.5-MoE at TP 4 from M 2-4, int8 Qwen3-30B-A3B from M=4); the small reads stay on the
-# plugin. int8 with zero points was
-# never measured: outside the rule.
+# int4. Below M=16 zero points were timed on three dev models at TP 4 (two of them new), M 1-8 (H100, bench/results/
+# h100/2026-12-07-d59df80-h100-zp-small.md, cut short after three models): the bars' choice was the faster side on
+# all 12 points (the plugin at M 1-4, by 1.08-2.5x, Qwen3-30B-A3B M=1 12.4 / 30.9 µs; Humming at M=8, Qwen3-30B-A3B
+# 54.5 / 38.2; Qwen3-235B-A22B M=4 even, 49.9 / 49.8). int8 was not timed below M=16; the bytes bar reads int8's
+# doubled bytes, so some decode batches of large experts go to Humming untimed (int8 Mixtral-8x7B at TP 4 from M=1,
+# 84 MB; zero points and int8 on Mixtral-8x7B and Phi-3.5-MoE at TP 4 from M 2-4, int8 Qwen3-30B-A3B from M=4); the
+# small reads stay on the plugin. int8 with zero points was never measured: outside the rule.
 HUMMING_RULE_FORMS = ((4, False), (4, True), (8, False))  # (bits, zero points)
 
 

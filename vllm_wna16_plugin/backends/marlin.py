@@ -48,7 +48,7 @@ MARLIN_MIN_BYTES_LARGE = 600e6  # ... and this much read
 MARLIN_MAX_TOKENS = 256  # the dev set's last point where Marlin led; the plugin's from 512
 MARLIN_RULE_SOURCE = (
     "Marlin rule (backends/marlin.py; H200 dev set 2026-12-05-c410069-dev and 2026-12-06-3038a96-mid; int8 and zero "
-    "points: 2026-12-06-eda7a88-h200-int8 / -zp)"
+    "points: 2026-12-06-eda7a88-h200-int8 / -zp, H100 2026-12-07-d59df80-h100-zp-small)"
 )
 ENV_COMPOSE = "VLLM_WNA16_PLUS_MARLIN"  # auto (default): compose while memory allows; 1: always; 0: never
 
@@ -71,13 +71,20 @@ def marlin_copy_bytes(problem: MoEProblem) -> int:
 # three, and zero points on Qwen3-30B-A3B at M=64: 1.58-4.1 rows per hit expert, 50-353 MB read) were Marlin's too,
 # by 1.12-2.73x (int8 Phi-3.5-MoE M=16 266 / 97; zero points Qwen3-30B-A3B M=16, 50 MB, 56.7 / 50.5): the plugin's
 # int8 and zero-point kernels at a few rows per expert have none of the int4 decode kernels' lead (int8 runs the
-# Triton tiles: the CUDA kernel's rule is int4's). For these forms Marlin also takes from MARLIN_FORM_MIN_ROWS rows
-# with MARLIN_FORM_MIN_BYTES read, the least of those 7 points (not timed below them, nor on the validation set).
+# Triton tiles: the CUDA kernel's rule is int4's). At decode the order turns: zero points on three more dev models at
+# TP 4, M 1-8 (H100, vLLM 0.34.0, bench/results/h100/2026-12-07-d59df80-h100-zp-small.md, cut short after three
+# models; Marlin ran two of them): at M 1-4 (1.03-1.13 rows per hit expert) the plugin's kernels were the faster on
+# all 6 points (Qwen3-30B-A3B M=1 12.4 / 30.3 µs, Qwen3-235B-A22B M=4 49.9 / 56.9), at M=8 (1.27 rows, 31 and
+# 123 MB) Marlin on both (Qwen3-30B-A3B 54.5 / 41.8, Qwen3-235B-A22B 95.2 / 82.9). So for these forms Marlin also
+# takes a batch of at least MARLIN_FORM_MIN_TOKENS tokens with MARLIN_FORM_MIN_ROWS rows per hit expert and
+# MARLIN_FORM_MIN_BYTES read: every one of the 23 points above on its faster side. Not timed: int8 below M=16, zero
+# points at M 5-15 on few-expert models (Mixtral-8x7B at M=8: 2.3 rows, 160 MB, taken), the validation set.
 # Marlin has no int8 kernel with zero points (incompatibility_reason), nor was it timed.
 MARLIN_RULE_FORMS = ((4, False), (4, True), (8, False))  # (bits, zero points)
 MARLIN_FAST_FORMS = ((4, True), (8, False))  # the forms whose few-row batches Marlin takes too
-MARLIN_FORM_MIN_ROWS = 1.57  # Qwen3-30B-A3B at TP 4, M=16: 1.578 rows, 50 MB read
-MARLIN_FORM_MIN_BYTES = 45e6
+MARLIN_FORM_MIN_TOKENS = 8  # M=4 was the plugin's on every point timed, M=8 Marlin's
+MARLIN_FORM_MIN_ROWS = 1.2  # between 1.13 (M=4, the plugin's) and 1.27 (M=8, Marlin's) on the 128-expert models
+MARLIN_FORM_MIN_BYTES = 30e6  # Qwen3-30B-A3B at TP 4, M=8: 31 MB, the least read Marlin won
 
 
 def marlin_rule_applies(problem: MoEProblem, device) -> str | None:
@@ -91,7 +98,8 @@ def marlin_takes(problem: MoEProblem, m: int, device) -> bool:
 
         (rows, read) >= (MARLIN_MIN_ROWS, MARLIN_MIN_BYTES), (MARLIN_MIN_ROWS_SMALL, MARLIN_MIN_BYTES_SMALL) or
         (MARLIN_MIN_ROWS_LARGE, MARLIN_MIN_BYTES_LARGE), each pair compared element-wise, and for int8 and
-        zero-point layers (MARLIN_FAST_FORMS) also (MARLIN_FORM_MIN_ROWS, MARLIN_FORM_MIN_BYTES)
+        zero-point layers (MARLIN_FAST_FORMS) of at least MARLIN_FORM_MIN_TOKENS tokens also (MARLIN_FORM_MIN_ROWS,
+        MARLIN_FORM_MIN_BYTES)
 
     rows = base.pairs_per_expert(problem, m), read = base.experts_read(problem, m)."""
     if m > MARLIN_MAX_TOKENS or marlin_rule_applies(problem, device):
@@ -102,7 +110,7 @@ def marlin_takes(problem: MoEProblem, m: int, device) -> bool:
         (MARLIN_MIN_ROWS_SMALL, MARLIN_MIN_BYTES_SMALL),
         (MARLIN_MIN_ROWS_LARGE, MARLIN_MIN_BYTES_LARGE),
     )
-    if (problem.scheme.bits, bool(problem.scheme.has_zero_point)) in MARLIN_FAST_FORMS:
+    if (problem.scheme.bits, bool(problem.scheme.has_zero_point)) in MARLIN_FAST_FORMS and m >= MARLIN_FORM_MIN_TOKENS:
         bars += ((MARLIN_FORM_MIN_ROWS, MARLIN_FORM_MIN_BYTES),)
     return any(rows >= min_rows and read >= min_bytes for min_rows, min_bytes in bars)
 

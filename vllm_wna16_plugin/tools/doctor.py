@@ -320,11 +320,6 @@ def stored_tensors(model_dir: str | Path) -> dict[str, dict]:
     return out
 
 
-def stored_tensor_names(model_dir: str | Path) -> set[str]:
-    """The tensor names of the checkpoint's safetensors files (stored_tensors)."""
-    return set(stored_tensors(model_dir))
-
-
 def moe_schemes(
     parsed: CheckpointQuantConfig,
     prefixes: Mapping[int, str],

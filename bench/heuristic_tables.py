@@ -18,6 +18,11 @@ BLOCK_SIZE_K is narrowed to one the group size allows), e.g. the swapped 128-tok
     python bench/heuristic_tables.py /tmp/s256 --catalog all --tp 1,4 --m 1024,4096 \
         --tile 128:128x128x64:w8:s3:swap --tile 256:256x128x64:w8:s3:swap
 
+A candidate per-pair bound (configs.GEMV_MAX_PAIRS_PER_EXPERT: the one-pair GEMV form while routed pairs rarely
+share an expert) keeps the rest of the heuristic: --gemv-max MEAN, e.g. the GEMV form everywhere it is written:
+
+    python bench/heuristic_tables.py /tmp/gemv --catalog all --tp 4 --m 4,8,16 --bits 4,8 --gemv-max 1e9
+
 A candidate for the middle regime (16-64 pairs per hit expert) keeps the rest of the heuristic (the tile height,
 the N tile halving until the grid fills the SMs, split K) and replaces only what that regime asks for
 (configs.MID_TILE): --mid BNxBK:wW:sS, e.g. the small-batch regime's 128x256 tile:
@@ -42,6 +47,7 @@ from model_catalog import SETS, catalog_configs  # noqa: E402
 from model_shapes import model_moe_shape  # noqa: E402
 
 from vllm_wna16_plugin.kernels.triton.configs import (  # noqa: E402
+    GEMV_MAX_PAIRS_PER_EXPERT,
     MID_TILE,
     RegimeTile,
     TritonMoEConfig,
@@ -97,19 +103,30 @@ def parse_mid(spec: str) -> RegimeTile:
     return RegimeTile(block_n=bn, block_k=bk, group_m=MID_TILE.group_m, warps=warps, stages=stages)
 
 
-def entry(m: int, s, N: int, K: int, gs: int, tiles: list[Tile], mid: RegimeTile = MID_TILE) -> TritonMoEConfig:
-    """default_config's entry (with `mid` as its middle regime), or the last tile whose FROM the mean of pairs
-    per hit expert reaches."""
+def entry(
+    m: int, s, N: int, K: int, gs: int, tiles: list[Tile], mid: RegimeTile = MID_TILE, gemv_max: float | None = None
+) -> TritonMoEConfig:
+    """default_config's entry (with `mid` as its middle regime and `gemv_max` as its per-pair bound), or the last
+    tile whose FROM the mean of pairs per hit expert reaches."""
     pairs = m * s.top_k
     mean = pairs / expected_experts_hit(pairs, s.E)
     chosen = [t for t in tiles if mean >= t.from_mean]
     if not chosen:
-        return default_config(m, s.E, N, K, s.top_k, gs, s.bits, prefill_tiles=True, mid=mid)  # DEVICES are sm90
+        bound = {} if gemv_max is None else {"gemv_max": gemv_max}
+        return default_config(m, s.E, N, K, s.top_k, gs, s.bits, prefill_tiles=True, mid=mid, **bound)  # sm90
     cfg = chosen[-1].config
     return replace(cfg, BLOCK_SIZE_K=_pick_block_k(K, gs, cfg.BLOCK_SIZE_K))
 
 
-def write_tables(out: Path, shapes, ms: list[int], devices, tiles: list[Tile] = (), mid: RegimeTile = MID_TILE) -> int:
+def write_tables(
+    out: Path,
+    shapes,
+    ms: list[int],
+    devices,
+    tiles: list[Tile] = (),
+    mid: RegimeTile = MID_TILE,
+    gemv_max: float | None = None,
+) -> int:
     """One file per GEMM shape and device: {M: default_config(...)} for each M (or a --tile's config where its
     mean is reached); returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
@@ -117,7 +134,7 @@ def write_tables(out: Path, shapes, ms: list[int], devices, tiles: list[Tile] = 
     for s in shapes:
         for N, K, gs in ((2 * s.I, s.H, s.group_w13), (s.H, s.I, s.group_w2)):
             gs = K if gs == -1 else gs
-            table = {str(m): entry(m, s, N, K, gs, list(tiles), mid).to_dict() for m in ms}
+            table = {str(m): entry(m, s, N, K, gs, list(tiles), mid, gemv_max).to_dict() for m in ms}
             for device in devices:
                 path = out / config_file_name(s.E, N, K, gs, s.bits, device)
                 path.write_text(json.dumps(table, indent=1) + "\n")
@@ -147,15 +164,25 @@ def main(argv=None) -> int:
         metavar="BNxBK:wW:sS",
         help="a candidate for the heuristic's middle regime, 16-64 pairs per hit expert (configs.MID_TILE)",
     )
+    ap.add_argument(
+        "--gemv-max",
+        type=float,
+        default=None,
+        metavar="MEAN",
+        help="a candidate per-pair bound: the GEMV form up to this mean of routed pairs per hit expert "
+        f"(configs.GEMV_MAX_PAIRS_PER_EXPERT, {GEMV_MAX_PAIRS_PER_EXPERT})",
+    )
+    ap.add_argument("--bits", type=int_list, default=[4], help="weight widths to write tables for, e.g. 4,8")
     args = ap.parse_args(argv)
-    shapes = list(SHAPES)
+    shapes = [s for s in SHAPES if s.bits in args.bits]
     for name, cfg in catalog_configs(args.catalog):
         for tp in args.tp:
-            try:
-                shapes.append(model_moe_shape(cfg, tp, 4, 128, name=name))
-            except ValueError:
-                pass  # a TP size the model cannot be split at (bench_moe.py says why)
-    n = write_tables(args.out, shapes, args.m, args.device_name or DEVICES, args.tile, args.mid)
+            for bits in args.bits:
+                try:
+                    shapes.append(model_moe_shape(cfg, tp, bits, 128, name=name))
+                except ValueError:
+                    pass  # a TP size the model cannot be split at (bench_moe.py says why)
+    n = write_tables(args.out, shapes, args.m, args.device_name or DEVICES, args.tile, args.mid, args.gemv_max)
     print(f"{n} tables for {len(shapes)} shapes in {args.out}")
     return 0
 

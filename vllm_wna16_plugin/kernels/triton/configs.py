@@ -327,6 +327,7 @@ def default_config(
     bits: int,
     prefill_tiles: bool = False,
     mid: RegimeTile = MID_TILE,
+    gemv_max: float = GEMV_MAX_PAIRS_PER_EXPERT,
 ) -> TritonMoEConfig:
     """GPU-blind heuristic for one GEMM where no tuned entry applies (bench/tune.py writes those).
 
@@ -339,8 +340,9 @@ def default_config(
       small M    (mean <= 16) K 256, N 128 tiles, 4 warps, 4 stages.
       larger M   (mean <= 64) K 64, N 64 tiles, grouped ordering.
       prefill    K 64, N 128 tiles, 8 warps, 3 stages.
-    (PER_PAIR_TILE, SMALL_TILE, MID_TILE, LARGE_TILE; `mid` replaces MID_TILE for a candidate rule timed beside
-    it: bench/heuristic_tables.py --mid.) BLOCK_SIZE_M of the tl.dot regimes is block_m_rule's (64 rows at prefill; 128-256 with prefill_tiles, which
+    (PER_PAIR_TILE, SMALL_TILE, MID_TILE, LARGE_TILE; `mid` replaces MID_TILE and `gemv_max` the per-pair bound
+    GEMV_MAX_PAIRS_PER_EXPERT for a candidate rule timed beside them: bench/heuristic_tables.py --mid /
+    --gemv-max.) BLOCK_SIZE_M of the tl.dot regimes is block_m_rule's (64 rows at prefill; 128-256 with prefill_tiles, which
     callers take from prefill_tiles_apply for the device). BLOCK_SIZE_N shrinks from 128 (64 per pair) until
     the grid has >= 2 programs per SM; if it is still short and K has >= 8 tiles, SPLIT_K (2 or 4) fills it.
     Tiles of 128+ rows keep N 128 and no split, as they were timed (granite-3.1 at TP 4, M=1024: its gate/up
@@ -350,7 +352,7 @@ def default_config(
     hit = expected_experts_hit(pairs, E)
     tokens_per_expert = pairs / hit
     gs = K if group_size == -1 else group_size
-    if tokens_per_expert <= GEMV_MAX_PAIRS_PER_EXPERT:
+    if tokens_per_expert <= gemv_max:
         bm, tile = 1, PER_PAIR_TILE
         m_blocks = pairs
     else:

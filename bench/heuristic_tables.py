@@ -18,8 +18,8 @@ BLOCK_SIZE_K is narrowed to one the group size allows), e.g. the swapped 128-tok
     python bench/heuristic_tables.py /tmp/s256 --catalog all --tp 1,4 --m 1024,4096 \
         --tile 128:128x128x64:w8:s3:swap --tile 256:256x128x64:w8:s3:swap
 
-A candidate per-pair bound (configs.GEMV_MAX_PAIRS_PER_EXPERT: the one-pair GEMV form while routed pairs rarely
-share an expert) keeps the rest of the heuristic: --gemv-max MEAN, e.g. the GEMV form everywhere it is written:
+A candidate per-pair bound (configs.gemv_bound: the one-pair GEMV form while routed pairs rarely share an expert)
+keeps the rest of the heuristic: --gemv-max MEAN, e.g. the GEMV form everywhere it is written:
 
     python bench/heuristic_tables.py /tmp/gemv --catalog all --tp 4 --m 4,8,16 --bits 4,8 --gemv-max 1e9
 
@@ -47,7 +47,6 @@ from model_catalog import SETS, catalog_configs  # noqa: E402
 from model_shapes import model_moe_shape  # noqa: E402
 
 from vllm_wna16_plugin.kernels.triton.configs import (  # noqa: E402
-    GEMV_MAX_PAIRS_PER_EXPERT,
     MID_TILE,
     RegimeTile,
     TritonMoEConfig,
@@ -55,6 +54,7 @@ from vllm_wna16_plugin.kernels.triton.configs import (  # noqa: E402
     config_file_name,
     default_config,
     expected_experts_hit,
+    gemv_bound,
     swap_takes_wgmma,
 )
 
@@ -112,8 +112,8 @@ def entry(
     mean = pairs / expected_experts_hit(pairs, s.E)
     chosen = [t for t in tiles if mean >= t.from_mean]
     if not chosen:
-        bound = {} if gemv_max is None else {"gemv_max": gemv_max}
-        return default_config(m, s.E, N, K, s.top_k, gs, s.bits, prefill_tiles=True, mid=mid, **bound)  # sm90
+        bound = gemv_bound(s.bits, s.H, s.I) if gemv_max is None else gemv_max  # the layer's, as triton_launch's
+        return default_config(m, s.E, N, K, s.top_k, gs, s.bits, prefill_tiles=True, mid=mid, gemv_max=bound)  # sm90
     cfg = chosen[-1].config
     return replace(cfg, BLOCK_SIZE_K=_pick_block_k(K, gs, cfg.BLOCK_SIZE_K))
 
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         default=None,
         metavar="MEAN",
         help="a candidate per-pair bound: the GEMV form up to this mean of routed pairs per hit expert "
-        f"(configs.GEMV_MAX_PAIRS_PER_EXPERT, {GEMV_MAX_PAIRS_PER_EXPERT})",
+        "(configs.gemv_bound: by the weight width and the expert size)",
     )
     ap.add_argument("--bits", type=int_list, default=[4], help="weight widths to write tables for, e.g. 4,8")
     args = ap.parse_args(argv)

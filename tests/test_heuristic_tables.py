@@ -85,29 +85,34 @@ def test_a_middle_regime_candidate_changes_only_that_regime(tmp_path):
 
 
 def test_a_per_pair_bound_candidate_moves_only_the_gemv_regime_and_writes_int8_too(tmp_path):
-    from vllm_wna16_plugin.kernels.triton.configs import GEMV_MAX_PAIRS_PER_EXPERT, expected_experts_hit
-
-    argv = [str(tmp_path), "--catalog", "dev", "--tp", "4", "--m", "1,4,8,16,64", "--device-name", "GPU X",
-            "--bits", "4,8", "--gemv-max", "1.6"]  # fmt: skip
-    assert heuristic_tables.main(argv) == 0
     from model_catalog import catalog_configs
     from model_shapes import model_moe_shape
 
+    from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit, gemv_bound, triton_launch
+
     config = dict(catalog_configs("dev"))["Qwen3-30B-A3B"]  # E=128, top 8, at TP 4: I=192, down re-grouped to 64
+    ms = [1, 4, 8, 16, 24, 32, 64]
+    for name, extra in (("plain", []), ("cand", ["--gemv-max", "3.0"])):
+        argv = [str(tmp_path / name), "--catalog", "dev", "--tp", "4", "--m", ",".join(map(str, ms)),
+                "--device-name", "GPU X", "--bits", "4,8", *extra]  # fmt: skip
+        assert heuristic_tables.main(argv) == 0
     for bits in (4, 8):
-        shape = model_moe_shape(config, 4, bits, 128)
-        for N, K, gs in ((2 * shape.I, shape.H, shape.group_w13), (shape.H, shape.I, shape.group_w2)):
-            table = load_tuned_configs(shape.E, N, K, gs, bits, "GPU X", tmp_path)
-            assert sorted(table) == [1, 4, 8, 16, 64]
-            for m, cfg in table.items():
+        s = model_moe_shape(config, 4, bits, 128)
+        bound = gemv_bound(bits, s.H, s.I)  # 2.0 for these small int4 experts, 2.8 for int8
+        for gemm, (N, K, gs) in enumerate(((2 * s.I, s.H, s.group_w13), (s.H, s.I, s.group_w2))):
+            plain = load_tuned_configs(s.E, N, K, gs, bits, "GPU X", tmp_path / "plain")
+            cand = load_tuned_configs(s.E, N, K, gs, bits, "GPU X", tmp_path / "cand")
+            assert sorted(plain) == sorted(cand) == ms
+            for m in ms:
                 mean = m * 8 / expected_experts_hit(m * 8, 128)
-                ours = default_config(m, 128, N, K, 8, gs, bits, prefill_tiles=True)
-                assert cfg.per_pair == (mean <= 1.6), (bits, m, mean)
-                if mean <= GEMV_MAX_PAIRS_PER_EXPERT or mean > 1.6:  # M 1, 4 per pair, 64 tiles: unchanged
-                    assert cfg == ours, (bits, m)
-                else:  # M 8 and 16 (means 1.27, 1.54): the per-pair form where the heuristic tiles
-                    assert not ours.per_pair and cfg == default_config(m, 128, N, K, 8, gs, bits, True, gemv_max=1.6)
-    assert not list(tmp_path.glob("*bits=8*E=8,*"))  # the bench's int4 shapes stay int4
+                runs = triton_launch(m, s.E, s.H, s.I, s.top_k, s.group_w13, s.group_w2, bits).configs[gemm]
+                assert plain[m] == runs, (bits, m)  # the tables hold what the plugin runs (the layer's bound)
+                assert plain[m].per_pair == (mean <= bound) and cand[m].per_pair == (mean <= 3.0), (bits, m, mean)
+                if mean <= bound or mean > 3.0:  # M 1-24 per pair in both (int8: 32 too), M=64 tiles: unchanged
+                    assert cand[m] == plain[m], (bits, m)
+                else:  # int4 at M=32: a mean of 2.31, above the bound and under the candidate's
+                    assert not plain[m].per_pair and cand[m].per_pair
+    assert not list(tmp_path.glob("*/*bits=8*E=8,*"))  # the bench's int4 shapes stay int4
 
 
 def test_the_middle_tile_agrees_with_the_h200_run_that_kept_it():

@@ -52,44 +52,56 @@ def layer_key(problem: MoEProblem) -> str:
     return crossover.layer_key(problem.num_experts, problem.hidden, problem.intermediate, gs, problem.scheme.bits)
 
 
-# Where no crossover was measured for a layer, `auto` runs cuda by a rule of the shape (issue 22 item 2):
-# int4 on sm90, GEMM1 on the tensor-core kernel, a batch of RULE_MIN_M..RULE_MAX_M tokens with at most
-# RULE_MAX_TOKENS_PER_EXPERT tokens per expert hit, and enough work per warp of the stream grid (pairs of K
-# steps of GEMM1, the kernel's own split: cuda_ops.stream_pairs_per_warp), where the bar depends on what
-# triton would run:
-#   - where triton runs a GEMV (pairs / experts hit <= triton's GEMV_MAX_PAIRS_PER_EXPERT: one pair per
-#     program, no tl.dot) it is hard to beat: cuda needs >= RULE_MIN_PAIRS_PER_WARP_GEMV pairs per warp;
+# Where no crossover was measured for a layer, `auto` runs cuda by a rule of the shape (issue 22 item 2): int4 or
+# int8 on sm90, GEMM1 on the tensor-core kernel, a batch of RULE_MIN_M..RULE_MAX_M tokens with at most
+# RULE_MAX_TOKENS_PER_EXPERT tokens per expert hit, and a bar that depends on what triton would run there
+# (configs.default_config; mean = routed pairs per hit expert, w = pairs of K steps per warp of the stream grid,
+# the kernel's own split: cuda_ops.stream_pairs_per_warp):
+#   - where triton runs its GEMV (mean <= configs.gemv_bound), which reads each expert's weights `mean` times to
+#     cuda's once, cuda takes the batch once the extra reads outweigh its cost of running short of work per warp:
+#         (mean - 1) * w >= RULE_MIN_EXTRA_READS[form]
+#     (2.2 int4, 5 int4 with zero points, 12 int8: the kernel's zero-point and int8 paths gain less on the GEMV);
 #   - where triton runs 16-row tl.dot tiles (its register-latency-bound form) cuda wins from
 #     RULE_MIN_PAIRS_PER_WARP_TILE.
-# Fitted on the development set (bench/model_catalog.py, 8 models at TP 1 and 4, M 4/16/64: 2026-12-05-c410069-
-# dev.md) and the six bench shapes (runs stream3 / 12bbb3a-tuned-full, M 1-4096); tests/kernels/
-# test_cuda_rule.py. GEMV regime: cuda 0.83-0.94x triton's time from 6.5 pairs per warp (bench shapes 6.5-6.9,
-# dev 18.9-20.7), 1.01-1.46x at <= 5.2; tile regime: cuda 0.59-0.83x from 1.5 pairs per warp, and even
-# (0.92-1.05x) at 16 tokens per expert.
-# Checked on the validation set (2026-12-05-c410069-val4.md; bench/rule_report.py).
+# The GEMV bar is fitted on the development set timed on the H100 (bench/results/h100/2026-12-07-d3ec747-h100-gemv-
+# dev / -zp / -int8: plugin-cuda, plugin-triton-auto and the GEMV at every M in one run, TP 4, M 2-24), where the
+# rule's pick came within 1.11x of the fastest of the three at every point (geomean 1.002; the former bars, under
+# the former GEMV bound of 1.15: 1.20, worst 2.0). Checked on the validation set (-val / -zpval / -int8val): geomean
+# 1.02, 8 of 147 points beyond 1.10x (granite-3.1-3b-a800m's tiny experts, where the GEMV stays fastest beyond its
+# bound; DeepSeek-V3 int8 at M 12-16, 1.13x). The tile bar: the H200 development set (2026-12-05-c410069-dev) and
+# the six bench shapes (runs stream3 / 12bbb3a-tuned-full, M 1-4096): cuda 0.59-0.83x triton's time from 1.5 pairs
+# per warp, and even (0.92-1.05x) at 16 tokens per expert. tests/kernels/test_cuda_rule.py reads these runs.
 RULE_MIN_M, RULE_MAX_M = 2, 64
-RULE_MIN_PAIRS_PER_WARP_GEMV = 6.0
+RULE_MIN_EXTRA_READS = {"int4": 2.2, "int4 zero points": 5.0, "int8": 12.0}
 RULE_MIN_PAIRS_PER_WARP_TILE = 1.5
 RULE_MAX_TOKENS_PER_EXPERT = 12.0  # between Mixtral M=32 (8: cuda 0.76x) and M=64 (16: 0.92-1.05x)
-RULE_SOURCE = "shape rule (backends/cuda.py, fitted on the H200 development set 2026-12-05-c410069-dev)"
+RULE_SOURCE = "shape rule (backends/cuda.py, fitted on the H100 development set 2026-12-07-d3ec747-gemv)"
+
+
+def rule_form(problem: MoEProblem) -> str:
+    """The key of RULE_MIN_EXTRA_READS for this layer's weights (int8 with zero points takes int8's bar)."""
+    if problem.scheme.bits == 8:
+        return "int8"
+    return "int4 zero points" if problem.scheme.has_zero_point else "int4"
 
 
 def rule_takes(problem: MoEProblem, m: int, device: DeviceSpec) -> bool:
     """Whether the shape rule (above) runs `m` tokens of this layer on cuda on `device`."""
     from vllm_wna16_plugin.kernels.cuda_ops import mma_kernel_fits, stream_pairs_per_warp
-    from vllm_wna16_plugin.kernels.triton.configs import GEMV_MAX_PAIRS_PER_EXPERT, expected_experts_hit
+    from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit, gemv_bound
 
-    h, i, e, k = problem.hidden, problem.intermediate, problem.num_experts, problem.top_k
+    h, i, e, k, bits = problem.hidden, problem.intermediate, problem.num_experts, problem.top_k, problem.scheme.bits
     if not (RULE_MIN_M <= m <= RULE_MAX_M) or device.platform != "cuda" or device.sm != 90:
         return False
-    if problem.scheme.bits != 4 or not mma_kernel_fits(h, h // problem.group_size_w13, 4):
+    if bits not in (4, 8) or not mma_kernel_fits(h, h // problem.group_size_w13, bits):
         return False
     per_expert = m * k / expected_experts_hit(m * k, e)
     if per_expert > RULE_MAX_TOKENS_PER_EXPERT:
         return False
-    per_warp = stream_pairs_per_warp(m, k, e, h, i, 4, True, min(m, 8), device.sm_count)
-    gemv = per_expert <= GEMV_MAX_PAIRS_PER_EXPERT
-    return per_warp >= (RULE_MIN_PAIRS_PER_WARP_GEMV if gemv else RULE_MIN_PAIRS_PER_WARP_TILE)
+    per_warp = stream_pairs_per_warp(m, k, e, h, i, bits, True, min(m, 8), device.sm_count)
+    if per_expert <= gemv_bound(bits, h, i):
+        return (per_expert - 1.0) * per_warp >= RULE_MIN_EXTRA_READS[rule_form(problem)]
+    return per_warp >= RULE_MIN_PAIRS_PER_WARP_TILE
 
 
 @functools.lru_cache(maxsize=1024)

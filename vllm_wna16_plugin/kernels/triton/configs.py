@@ -211,8 +211,34 @@ NUM_SMS_HINT = 132  # H100/H200; the heuristic only needs the order of magnitude
 MIN_PROGRAMS = 2 * NUM_SMS_HINT  # two programs per SM: one streams while the other dequantizes
 
 
-# default_config's GEMV regime: routed pairs per expert hit at most this (one pair per program, no tl.dot)
-GEMV_MAX_PAIRS_PER_EXPERT = 1.15
+# default_config's GEMV regime (one routed pair per program, no tl.dot) while the mean of routed pairs per hit
+# expert is at most gemv_bound(bits, H, I). The GEMV reads an expert's weights once per pair routed to it, `mean`
+# times in all, where the 16-row tl.dot tile reads them once but runs its tiles 1-2 rows full. Timed side by side
+# (H100, vLLM 0.34, Triton 3.6, bench/results/h100/2026-12-07-d3ec747-h100-gemv-*: plugin-triton-auto, the former
+# bound of 1.15, against plugin-triton-alt, the GEMV at every M; the catalog at TP 4, M 2-24, int4, int4 with zero
+# points and int8), the tile took 1.2-2.5x the GEMV's time at means of 1.15-1.55 on every model of both sets.
+# Fitted on the development set (tests/kernels/test_cuda_rule.py reads the runs):
+#   int4 (zero points too): up to a mean of 1.55 (Mixtral-8x7B at 1.52: 0.81x the tile's time, Phi-3.5-MoE at 1.55:
+#     0.94x; GLM-4.5-Air and Qwen3-235B-A22B at 1.58: 1.04-1.06x), and up to 2.0 where one expert's gate/up weights
+#     (2*I*H*bits/8) are under GEMV_SMALL_EXPERT_BYTES (Qwen3-30B-A3B, OLMoE, Qwen1.5-MoE, DeepSeek-V2-Lite at TP 4,
+#     0.39-0.72 MB: at most 1.04x up to 1.93; 0.93-1.24x at 2.3-3.2);
+#   int8: up to 2.8 (its tiles are slower still: the GEMV took 0.57-0.83x their time up to 2.5, 0.88-1.18x at 3.1).
+# On the validation set (not fitted on), every point inside the bounds was faster on the GEMV or even (int4 at most
+# 0.97x, zero points 0.90x, int8 0.78x). The misses lie above them: granite-3.1-3b-a800m's tiny experts (0.2 MB),
+# whose GEMV stayed faster up to a mean of 3.3 (the tile 1.1-1.7x its time), and int8 at 2.5 (ERNIE-4.5: 0.78x).
+GEMV_MAX_PAIRS_PER_EXPERT = 1.55  # int4, experts of at least GEMV_SMALL_EXPERT_BYTES
+GEMV_MAX_PAIRS_SMALL_EXPERTS = 2.0  # int4, smaller experts
+GEMV_MAX_PAIRS_INT8 = 2.8
+GEMV_SMALL_EXPERT_BYTES = 1 << 20  # one expert's gate/up weights
+
+
+def gemv_bound(bits: int, H: int | None = None, I: int | None = None) -> float:  # noqa: E741
+    """The mean of routed pairs per hit expert up to which default_config runs the GEMV (above): by the weight
+    width and, for int4, the layer's expert size (2*I*H*bits/8 bytes of gate/up; unknown: a large expert)."""
+    if bits == 8:
+        return GEMV_MAX_PAIRS_INT8
+    small = H is not None and I is not None and 2 * I * H * bits // 8 < GEMV_SMALL_EXPERT_BYTES
+    return GEMV_MAX_PAIRS_SMALL_EXPERTS if small else GEMV_MAX_PAIRS_PER_EXPERT
 
 
 def expected_experts_hit(pairs: int, E: int) -> float:
@@ -327,22 +353,22 @@ def default_config(
     bits: int,
     prefill_tiles: bool = False,
     mid: RegimeTile = MID_TILE,
-    gemv_max: float = GEMV_MAX_PAIRS_PER_EXPERT,
+    gemv_max: float | None = None,
 ) -> TritonMoEConfig:
     """GPU-blind heuristic for one GEMM where no tuned entry applies (bench/tune.py writes those).
 
     Decode is bound by the weight bytes, so every regime asks for wide, deep B loads:
     BLOCK_SIZE_K=256 where the group size allows it (int4 rows of 128 bytes: 16-byte
     vector / cp.async loads per thread) and 4 stages in flight. With mean = pairs / experts hit:
-      per pair   while routed pairs rarely share an expert (mean <= 1.15: M=1 always, M <= 4 at
-                 E=128 top8) BLOCK_SIZE_M=1: one pair per program, no alignment launch, a GEMV
-                 without tl.dot.
+      per pair   while routed pairs rarely share an expert (mean <= gemv_max, default gemv_bound(bits):
+                 1.55 int4, 2.8 int8; M=1 always, M <= 16 at E=128 top8) BLOCK_SIZE_M=1: one pair per
+                 program, no alignment launch, a GEMV without tl.dot. Callers that know the layer pass
+                 gemv_bound(bits, H, I) (triton_launch), which is higher for small int4 experts.
       small M    (mean <= 16) K 256, N 128 tiles, 4 warps, 4 stages.
       larger M   (mean <= 64) K 64, N 64 tiles, grouped ordering.
       prefill    K 64, N 128 tiles, 8 warps, 3 stages.
-    (PER_PAIR_TILE, SMALL_TILE, MID_TILE, LARGE_TILE; `mid` replaces MID_TILE and `gemv_max` the per-pair bound
-    GEMV_MAX_PAIRS_PER_EXPERT for a candidate rule timed beside them: bench/heuristic_tables.py --mid /
-    --gemv-max.) BLOCK_SIZE_M of the tl.dot regimes is block_m_rule's (64 rows at prefill; 128-256 with prefill_tiles, which
+    (PER_PAIR_TILE, SMALL_TILE, MID_TILE, LARGE_TILE; `mid` replaces MID_TILE, and `gemv_max` the per-pair bound,
+    for a candidate rule timed beside them: bench/heuristic_tables.py --mid / --gemv-max.) BLOCK_SIZE_M of the tl.dot regimes is block_m_rule's (64 rows at prefill; 128-256 with prefill_tiles, which
     callers take from prefill_tiles_apply for the device). BLOCK_SIZE_N shrinks from 128 (64 per pair) until
     the grid has >= 2 programs per SM; if it is still short and K has >= 8 tiles, SPLIT_K (2 or 4) fills it.
     Tiles of 128+ rows keep N 128 and no split, as they were timed (granite-3.1 at TP 4, M=1024: its gate/up
@@ -352,7 +378,7 @@ def default_config(
     hit = expected_experts_hit(pairs, E)
     tokens_per_expert = pairs / hit
     gs = K if group_size == -1 else group_size
-    if tokens_per_expert <= gemv_max:
+    if tokens_per_expert <= (gemv_bound(bits) if gemv_max is None else gemv_max):
         bm, tile = 1, PER_PAIR_TILE
         m_blocks = pairs
     else:
@@ -531,11 +557,12 @@ def choose_triton_moe_config(
     config_dir: Path | None = None,
     user_dir: Path | None = None,
     prefill_tiles: bool = False,
+    gemv_max: float | None = None,
 ) -> ConfigChoice:
     """The tuned config nearest to M for this GEMM shape on device_name, else `default_config`
     (no file for the shape and device, or M outside the tuned range; see nearest_tuned_m), with its source.
     user_dir: the user's own tuned configs (user_tables.configs_dir), tried before config_dir / the shipped.
-    prefill_tiles: default_config's (prefill_tiles_apply of the device).
+    prefill_tiles, gemv_max: default_config's (prefill_tiles_apply of the device; gemv_bound of the layer).
 
     group_size: the GEMM's effective group (-1 or K = channel-wise). A tuned entry
     that is illegal for K/group_size raises (a bad file is a bug, not a fallback).
@@ -563,7 +590,7 @@ def choose_triton_moe_config(
         choice = ConfigChoice(table[m_key], f"tuned {config_file_name(E, N, K, gs, bits, device_name)} at M={m_key}")
     else:
         why = "no tuned file for this shape and device" if not table else f"M={M} outside the tuned range"
-        choice = ConfigChoice(default_config(M, E, N, K, top_k, gs, bits, prefill_tiles),
+        choice = ConfigChoice(default_config(M, E, N, K, top_k, gs, bits, prefill_tiles, gemv_max=gemv_max),
                               f"default_config heuristic ({why})")  # fmt: skip
     choice.config.check_shape(K, gs)
     return choice
@@ -597,12 +624,13 @@ def triton_launch(
 ) -> TritonLaunch:
     """Both GEMMs' configs for M tokens (group sizes are effective: K = channel-wise); user_dir: the user's
     own tuned configs, tried first; prefill_tiles: prefill_tiles_apply of the device (choose_triton_moe_config)."""
+    bound = gemv_bound(bits, H, I)  # both GEMMs of the layer in the same regime, as they were timed
     return TritonLaunch(
         choose_triton_moe_config(
-            M, E, 2 * I, H, top_k, group_size_w13, bits, device_name, config_dir, user_dir, prefill_tiles
+            M, E, 2 * I, H, top_k, group_size_w13, bits, device_name, config_dir, user_dir, prefill_tiles, bound
         ),  # fmt: skip
         choose_triton_moe_config(
-            M, E, H, I, top_k, group_size_w2, bits, device_name, config_dir, user_dir, prefill_tiles
+            M, E, H, I, top_k, group_size_w2, bits, device_name, config_dir, user_dir, prefill_tiles, bound
         ),  # fmt: skip
     )
 
@@ -632,6 +660,7 @@ __all__ = [
     "default_config",
     "expected_experts_hit",
     "get_triton_moe_config",
+    "gemv_bound",
     "group_size_reason",
     "load_tuned_configs",
     "nearest_tuned_m",

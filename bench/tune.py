@@ -60,6 +60,7 @@ from vllm_wna16_plugin.kernels.triton.candidates import (  # noqa: E402, F401 - 
 from vllm_wna16_plugin.kernels.triton.configs import (  # noqa: E402
     config_file_name,
     default_config,
+    gemv_bound,
     prefill_tiles_apply,
 )
 
@@ -313,8 +314,11 @@ def main() -> int:
                 continue
             c1, c2, total = pick_joint(t1, t2, align_us, M)
             files["gemm1"][str(M)], files["gemm2"][str(M)] = c1.to_dict(), c2.to_dict()
-            d1 = default_config(M, s.E, 2 * s.I, s.H, s.top_k, s.gs if s.gs != -1 else s.H, s.bits, prefill)
-            d2 = default_config(M, s.E, s.H, s.I, s.top_k, s.gs if s.gs != -1 else s.I, s.bits, prefill)
+            bound = gemv_bound(s.bits, s.H, s.I)  # the layer's, as triton_launch passes it
+            d1 = default_config(
+                M, s.E, 2 * s.I, s.H, s.top_k, s.gs if s.gs != -1 else s.H, s.bits, prefill, gemv_max=bound
+            )
+            d2 = default_config(M, s.E, s.H, s.I, s.top_k, s.gs if s.gs != -1 else s.I, s.bits, prefill, gemv_max=bound)
             dflt = t1.get(d1, float("nan")) + align_us.get((M, "act"), 0.0) + t2.get(d2, float("nan"))
             fmt = lambda c: (f"{c.BLOCK_SIZE_M}x{c.BLOCK_SIZE_N}x{c.BLOCK_SIZE_K} w{c.num_warps} s{c.num_stages}"  # noqa: E731
                              f"{' k' + str(c.SPLIT_K) if c.SPLIT_K > 1 else ''}{' td' if c.use_td else ''}"

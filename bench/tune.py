@@ -219,7 +219,8 @@ def run_shape(shape: Shape, ms, args, log, deadline, slots_after):
                     rejected.append((shape.name, name, M, cfg, f"{type(exc).__name__}: {str(exc)[:80]}"))
                     torch.cuda.synchronize()
 
-            for cfg in stage_a(M, shape.E, g.N, g.K, shape.top_k, shape.gs, shape.bits, prefill):
+            bound = gemv_bound(shape.bits, shape.H, shape.I)
+            for cfg in stage_a(M, shape.E, g.N, g.K, shape.top_k, shape.gs, shape.bits, prefill, bound):
                 measure(cfg)
             ranked = sorted(timed, key=timed.get)
             bases = ranked[:2] + [min((c for c in timed if c.BLOCK_SIZE_M == bm), key=timed.get)
@@ -280,7 +281,7 @@ def main() -> int:
             for name, N, K in (("gemm1", 2 * s.I, s.H), ("gemm2", s.H, s.I)):
                 distinct = set()
                 for M in ms:
-                    a = stage_a(M, s.E, N, K, s.top_k, s.gs, s.bits, True)  # as on sm90
+                    a = stage_a(M, s.E, N, K, s.top_k, s.gs, s.bits, True, gemv_bound(s.bits, s.H, s.I))  # sm90
                     b = [c for base in a[:3] for c in stage_b(base, M, s.E, N, K, s.top_k, True, fuse=name == "gemm1")]
                     distinct |= set(a) | set(b)
                     print(f"{s.name} {name} M={M}: stage A {len(a)}, stage B <= {len(b)}; default {a[0]}")

@@ -67,7 +67,7 @@ def layer_key(problem: MoEProblem) -> str:
 # dev / -zp / -int8: plugin-cuda, plugin-triton-auto and the GEMV at every M in one run, TP 4, M 2-24), where the
 # rule's pick came within 1.11x of the fastest of the three at every point (geomean 1.002; the former bars, under
 # the former GEMV bound of 1.15: 1.20, worst 2.0). Checked on the validation set (-val / -zpval / -int8val): geomean
-# 1.02, 8 of 147 points beyond 1.10x (granite-3.1-3b-a800m's tiny experts, where the GEMV stays fastest beyond its
+# 1.02, 7 of 147 points beyond 1.10x (granite-3.1-3b-a800m's tiny experts, where the GEMV stays fastest beyond its
 # bound; DeepSeek-V3 int8 at M 12-16, 1.13x). The tile bar: the H200 development set (2026-12-05-c410069-dev) and
 # the six bench shapes (runs stream3 / 12bbb3a-tuned-full, M 1-4096): cuda 0.59-0.83x triton's time from 1.5 pairs
 # per warp, and even (0.92-1.05x) at 16 tokens per expert. tests/kernels/test_cuda_rule.py reads these runs.
@@ -141,7 +141,7 @@ def layer_ranges(problem: MoEProblem, device: DeviceSpec | None = None) -> tuple
     ranges, source = crossover.device_ranges(key, device)
     if not (ranges or crossover.has_entry(key, device)):
         ranges, source = rule_ranges(problem, device), RULE_SOURCE
-    if problem.has_g_idx and problem.scheme.bits == 4:
+    if problem.has_g_idx:  # the gather costs the same launch at M=1 whatever the width (int8: not timed)
         return act_order_ranges(ranges), f"{source}, then the {ACT_ORDER_SOURCE}"
     return ranges, source
 

@@ -43,6 +43,7 @@ from vllm_wna16_plugin.kernels.triton.configs import (
     TritonMoEConfig,
     choose_triton_moe_config,
     config_file_name,
+    gemv_bound,
     prefill_tiles_apply,
     triton_launch,
 )
@@ -234,7 +235,19 @@ def tune_slot(
         pair = (lambda c: (c, fixed)) if which == 1 else (lambda c: (fixed, c))
         first = shipped[which - 1]
         found = [first] + [
-            c for c in stage_a(m, p.num_experts, n, k, p.top_k, gs, p.scheme.bits, prefill) if c != first
+            c
+            for c in stage_a(
+                m,
+                p.num_experts,
+                n,
+                k,
+                p.top_k,
+                gs,
+                p.scheme.bits,
+                prefill,
+                gemv_bound(p.scheme.bits, p.hidden, p.intermediate),
+            )
+            if c != first
         ]
         for c in found[: None if max_candidates is None else max_candidates]:
             measure(pair(c), timed, c)

@@ -1,6 +1,7 @@
 """The Triton kernel's tuning candidates: the configs a tuner times for one GEMM at one batch size.
 
-    stage_a(M, E, N, K, top_k, gs, bits)    tile shapes at 4 warps / 4 stages, default_config first:
+    stage_a(M, E, N, K, top_k, gs, bits)    tile shapes at 4 warps / 4 stages, default_config first (with
+        the layer's GEMV bound where the caller passes it):
         BLOCK_SIZE_M from the tokens per expert ({1} per pair up to 3 tokens per expert, the two largest
         row tiles they fill, up to 256), BLOCK_SIZE_N {32, 64, 128} (256 for 64-128-row tiles), BLOCK_SIZE_K
         {64, 128, 256} legal for the group (per pair also 512 and 1024: wide_block_k)
@@ -73,10 +74,19 @@ def grid_programs(M: int, E: int, N: int, top_k: int, cfg: TritonMoEConfig) -> i
 
 
 def stage_a(
-    M: int, E: int, N: int, K: int, top_k: int, gs: int, bits: int, prefill_tiles: bool = False
+    M: int,
+    E: int,
+    N: int,
+    K: int,
+    top_k: int,
+    gs: int,
+    bits: int,
+    prefill_tiles: bool = False,
+    gemv_max: float | None = None,
 ) -> list[TritonMoEConfig]:
-    """Tile shapes at warps 4 / stages 4, default_config first (with prefill_tiles: configs.prefill_tiles_apply)."""
-    first = default_config(M, E, N, K, top_k, gs, bits, prefill_tiles)
+    """Tile shapes at warps 4 / stages 4, default_config first (with prefill_tiles: configs.prefill_tiles_apply;
+    gemv_max: the layer's configs.gemv_bound, as triton_launch passes it)."""
+    first = default_config(M, E, N, K, top_k, gs, bits, prefill_tiles, gemv_max=gemv_max)
     out = [first]
     for bm in block_m_choices(M, E, top_k):
         for bn in (32, 64, 128) + ((256,) if 64 <= bm <= 128 else ()):  # 256x256 spills (254 registers at 256x128)

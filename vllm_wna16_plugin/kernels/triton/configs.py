@@ -216,18 +216,18 @@ MIN_PROGRAMS = 2 * NUM_SMS_HINT  # two programs per SM: one streams while the ot
 # times in all, where the 16-row tl.dot tile reads them once but runs its tiles 1-2 rows full. Timed side by side
 # (H100, vLLM 0.34, Triton 3.6, bench/results/h100/2026-12-07-d3ec747-h100-gemv-*: plugin-triton-auto, the former
 # bound of 1.15, against plugin-triton-alt, the GEMV at every M; the catalog at TP 4, M 2-24, int4, int4 with zero
-# points and int8), the tile took 1.03-2.5x the GEMV's time at means of 1.15-1.55 on every model of both sets.
+# points and int8), the tile took 1.01-2.5x the GEMV's time at means of 1.15-1.55 on every model of both sets.
 # Fitted on the development set (tests/kernels/test_cuda_rule.py reads the runs):
-#   int4 (zero points too): up to a mean of 1.55 (Mixtral-8x7B at 1.52: 0.81x the tile's time, Phi-3.5-MoE at 1.55:
-#     0.94x; GLM-4.5-Air and Qwen3-235B-A22B at 1.58: 1.04-1.06x), and up to 2.0 where one expert's gate/up weights
-#     (2*I*H*bits/8) are under GEMV_SMALL_EXPERT_BYTES (Qwen3-30B-A3B, OLMoE, Qwen1.5-MoE, DeepSeek-V2-Lite at TP 4,
-#     0.39-0.72 MB: at most 1.04x up to 1.93; 0.93-1.24x at 2.3-3.2);
-#   int8: up to 2.8 (its tiles are slower still: the GEMV took 0.57-0.83x their time up to 2.5, 0.88-1.18x at 3.1).
+#   int4 (zero points too): up to a mean of 1.56 (Mixtral-8x7B at 1.52: 0.81x the tile's time, Phi-3.5-MoE at 1.553:
+#     0.90-0.94x; GLM-4.5-Air and Qwen3-235B-A22B at 1.58: 1.04-1.06x int4), and up to 2.0 where one expert's gate/up
+#     weights (2*I*H*bits/8) are under GEMV_SMALL_EXPERT_BYTES (Qwen3-30B-A3B, OLMoE, Qwen1.5-MoE, DeepSeek-V2-Lite
+#     at TP 4, 0.39-0.72 MB: at most 1.04x up to 1.93; 0.90-1.24x at 2.3-3.2);
+#   int8: up to 2.8 (its tiles are slower still: the GEMV took 0.53-0.83x their time up to 2.5, 0.88-1.18x at 3.1).
 # On the validation set (not fitted on), every point inside the bounds was faster on the GEMV or even (int4 at most
 # 0.97x the tile's time, zero points 0.90x, int8 0.83x). Above them the GEMV was still faster on granite-3.1-3b-
-# a800m's tiny experts (0.2 MB: 0.58-0.97x up to a mean of 4.8), on Llama-4-Scout just past 1.55 (1.553: 0.80-0.91x)
-# and at three more points by 1-15%. Where the cuda rule (backends/cuda.py) takes a batch, this bound decides nothing.
-GEMV_MAX_PAIRS_PER_EXPERT = 1.55  # int4, experts of at least GEMV_SMALL_EXPERT_BYTES
+# a800m's tiny experts (0.2 MB: 0.58-0.97x up to a mean of 4.8) and at four more points by 1-15% (Qwen2-57B-A14B
+# at M=8, Mixtral-8x22B at M 6-12). Where the cuda rule (backends/cuda.py) takes a batch, this bound decides nothing.
+GEMV_MAX_PAIRS_PER_EXPERT = 1.56  # int4, experts of at least GEMV_SMALL_EXPERT_BYTES
 GEMV_MAX_PAIRS_SMALL_EXPERTS = 2.0  # int4, smaller experts
 GEMV_MAX_PAIRS_INT8 = 2.8
 GEMV_SMALL_EXPERT_BYTES = 1 << 20  # one expert's gate/up weights
@@ -362,7 +362,7 @@ def default_config(
     BLOCK_SIZE_K=256 where the group size allows it (int4 rows of 128 bytes: 16-byte
     vector / cp.async loads per thread) and 4 stages in flight. With mean = pairs / experts hit:
       per pair   while routed pairs rarely share an expert (mean <= gemv_max, default gemv_bound(bits):
-                 1.55 int4, 2.8 int8; M=1 always, M <= 16 at E=128 top8) BLOCK_SIZE_M=1: one pair per
+                 1.56 int4, 2.8 int8; M=1 always, M <= 12 at E=128 top8) BLOCK_SIZE_M=1: one pair per
                  program, no alignment launch, a GEMV without tl.dot. Callers that know the layer pass
                  gemv_bound(bits, H, I) (triton_launch), which is higher for small int4 experts.
       small M    (mean <= 16) K 256, N 128 tiles, 4 warps, 4 stages.
@@ -646,9 +646,13 @@ def get_triton_moe_config(
     bits: int,
     device_name: str | None = None,
     config_dir: Path | None = None,
+    gemv_max: float | None = None,
 ) -> TritonMoEConfig:
-    """choose_triton_moe_config's config alone."""
-    return choose_triton_moe_config(M, E, N, K, top_k, group_size, bits, device_name, config_dir).config
+    """choose_triton_moe_config's config alone. gemv_max: the layer's configs.gemv_bound(bits, H, I), which a GEMM's
+    N and K alone do not give (default: a large expert's bound; triton_launch passes the layer's)."""
+    return choose_triton_moe_config(
+        M, E, N, K, top_k, group_size, bits, device_name, config_dir, gemv_max=gemv_max
+    ).config
 
 
 __all__ = [

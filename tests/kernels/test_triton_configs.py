@@ -281,3 +281,21 @@ def _legal(cfg: TritonMoEConfig, K: int, gs: int) -> bool:
     except ValueError:
         return False
     return True
+
+
+def test_the_gemv_bound_by_width_and_expert_size_and_both_gemms_share_it():
+    """configs.gemv_bound (fitted on the H100 development set, bench/results/h100/2026-12-07-d3ec747-h100-gemv-*):
+    int8 2.8; int4 1.56, or 2.0 where one expert's gate/up weights are under 1 MiB; triton_launch gives both GEMMs
+    of a layer the layer's bound, so they switch to the GEMV together."""
+    from vllm_wna16_plugin.kernels.triton.configs import expected_experts_hit, gemv_bound, triton_launch
+
+    assert gemv_bound(8) == gemv_bound(8, 2048, 192) == 2.8
+    assert gemv_bound(4) == gemv_bound(4, 4096, 384) == 1.56  # Qwen3-235B-A22B at TP 4: 1.5 MiB of gate/up
+    assert gemv_bound(4, 2048, 192) == 2.0  # Qwen3-30B-A3B at TP 4: 0.375 MiB
+    assert gemv_bound(4, 2048, 511) == 2.0 and gemv_bound(4, 2048, 512) == 1.56  # the 1 MiB edge (2*I*H/2 bytes)
+    for H, inter in ((2048, 192), (4096, 384)):  # E=128, top 8: means 1.27 (M=8), 1.58 (M=16), 1.93 (M=24), 2.31
+        bound = gemv_bound(4, H, inter)
+        for m in (8, 16, 24, 32):
+            mean = m * 8 / expected_experts_hit(m * 8, 128)
+            gemm1, gemm2 = triton_launch(m, 128, H, inter, 8, 128, 64, 4).configs
+            assert gemm1.per_pair == gemm2.per_pair == (mean <= bound), (H, inter, m, mean)

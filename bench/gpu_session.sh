@@ -15,6 +15,7 @@
 #   BREAKDOWN_ARGS='--m 2,8' bash bench/gpu_session.sh breakdown   # kernel times of a layer call
 #   FLOOR_ARGS='--experts 2,8' bash bench/gpu_session.sh floor      # the read floor of a call's bytes
 #   BENCH_ARGS='--catalog dev --tp 1,2,4,8 --m 1,4,16,64,256' bash bench/gpu_session.sh bench   # the rules' dev set
+#   BENCH_ARGS='--catalog dev --tag=-a ;; --catalog validation --tag=-b' bash bench/gpu_session.sh bench  # two runs
 #   USER_TUNE_MODEL=Mixtral-8x22B bash bench/gpu_session.sh user-tune   # vllm-wna16 tune on a catalog model
 #   PY_SCRIPT="bench/hopper_group_diag.py --seeds 20" bash bench/gpu_session.sh py   # a script beside the bundle's vLLM
 # The lent machine's copy of the tree has no .git: BENCH_COMMIT names the commit in result files.
@@ -147,8 +148,12 @@ for step in "$@"; do
                  | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$OUT/user-tune.log" | tail -30 || rc=1
                tar czf "$OUT/user-tuned.tgz" -C /tmp user-tuned 2>/dev/null ;;
     # a second bench step in one call gets its own log (the first is not overwritten)
-    bench) log="$OUT/bench.log"; [ -e "$log" ] && log="$OUT/bench-at-${SECONDS}s.log"
-           timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" ${BENCH_ARGS:-} 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$log" | tail -70
+    # BENCH_ARGS may hold several runs' arguments separated by ' ;; ' (each run its own log and BENCH_TIMEOUT)
+    bench) IFS='#' read -r -a runs <<< "${BENCH_ARGS// ;; /#}"
+           for args in "${runs[@]:-}"; do
+             log="$OUT/bench.log"; [ -e "$log" ] && log="$OUT/bench-at-${SECONDS}s.log"
+             timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" $args 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$log" | tail -70
+           done
            cp vllm_wna16_plugin/crossover/*.json "$OUT/res/" 2>/dev/null ;;  # --write-crossover rewrites it
     # any script with the bundle's vLLM and the built plugin (the repository on its path): PY_SCRIPT (the script and
     # its arguments, split on spaces), PY_TIMEOUT

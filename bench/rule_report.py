@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
+import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
@@ -55,12 +57,13 @@ def catalog_shapes() -> dict[str, tuple[str, Shape]]:
     return out
 
 
-def problem_of(s: Shape):
-    """The MoEProblem the plugin plans for this shape (GPTQ layout, sm90, plan only)."""
+def problem_of(s: Shape, zero_points: bool = False):
+    """The MoEProblem the plugin plans for this shape (GPTQ layout, sm90, plan only; zero points as the run's
+    --zero-points)."""
     from vllm_wna16_plugin.backends import MoEProblem, RunOptions
     from vllm_wna16_plugin.scheme import PackFormat, WNA16Scheme
 
-    scheme = WNA16Scheme(s.bits, s.gs, False, PackFormat.GPTQ, source="rule_report")
+    scheme = WNA16Scheme(s.bits, s.gs, zero_points, PackFormat.GPTQ, source="rule_report")
     return MoEProblem(scheme=scheme, hidden=s.H, intermediate=s.I, num_experts=s.E, global_num_experts=s.E,
                       top_k=s.top_k, group_size_w13=s.group_w13, group_size_w2=s.group_w2, platform="cuda", sm=90,
                       options=RunOptions(plan_only=True))  # fmt: skip
@@ -121,7 +124,26 @@ class Point:
         return None
 
 
-def points(times, shapes) -> list[Point]:
+# bench_moe.py names a shape of another width or group than the model's "<model>@tp<N>-int8-g128"
+FORM_SUFFIX = re.compile(r"-int(\d+)-g(-?\d+)$")
+
+
+def shape_of(name: str, shapes) -> tuple[str, Shape] | None:
+    """(set, Shape) of a run's shape name, its width and group taken from the name's suffix (FORM_SUFFIX), or
+    None when the model is not a catalog shape."""
+    base = FORM_SUFFIX.sub("", name)
+    if base not in shapes:
+        return None
+    split, s = shapes[base]
+    if form := FORM_SUFFIX.search(name):
+        bits, gs = int(form.group(1)), int(form.group(2))
+        s = dataclasses.replace(s, name=name, bits=bits)
+        if gs != s.gs:
+            return None  # a re-grouped shape: its GEMMs' groups are bench_moe's to derive, not this report's
+    return split, s
+
+
+def points(times, shapes, zero_points: bool = False) -> list[Point]:
     from vllm_wna16_plugin import launch_plan
     from vllm_wna16_plugin.backends.cuda import RULE_MAX_M, RULE_MIN_M, rule_takes
     from vllm_wna16_plugin.backends.humming import humming_takes
@@ -131,10 +153,10 @@ def points(times, shapes) -> list[Point]:
     h200 = PLAN_DEVICES["sm90"]
     out = []
     for (shape, m), t in sorted(times.items()):
-        if shape not in shapes:
+        if (found := shape_of(shape, shapes)) is None:
             continue
-        split, s = shapes[shape]
-        problem = problem_of(s)
+        split, s = found
+        problem = problem_of(s, zero_points)
         rule = rule_takes(problem, m, h200) if RULE_MIN_M <= m <= RULE_MAX_M else None
         try:
             backend = launch_plan.plan(problem, m, h200).backend
@@ -209,8 +231,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv", nargs="+", type=Path, help="bench_moe.py run CSVs of --catalog shapes")
     ap.add_argument("--md", type=Path, default=None, help="also write the report here")
+    ap.add_argument("--zero-points", action="store_true", help="the runs timed zero-point layers (bench_moe.py "
+                    "--zero-points: their shape names do not say so)")  # fmt: skip
     args = ap.parse_args(argv)
-    text = report(points(read_times(args.csv), catalog_shapes()))
+    text = report(points(read_times(args.csv), catalog_shapes(), args.zero_points))
     print(text)
     if args.md:
         args.md.write_text(text + "\n")

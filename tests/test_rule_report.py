@@ -59,3 +59,28 @@ def test_every_catalog_model_has_a_shape_at_tp1(report):
     from model_catalog import CATALOG
 
     assert {s.name.split("@")[0] for _, s in shapes.values()} == set(CATALOG)
+
+
+def test_a_runs_form_is_read_from_its_shape_names_and_flag(report, tmp_path):
+    """bench_moe --bits 8 names its shapes "<model>@tp4-int8-g128": the report plans them as int8; --zero-points
+    (which the names do not show) plans them with zero points. A suffix naming another group than the model's
+    (a re-grouped shape) is left out rather than planned on the wrong groups."""
+    path = tmp_path / "run.csv"
+    path.write_text(
+        "shape,M,provider,median_us,p20_us,p80_us,frac_copy_bw,note\n"
+        "Mixtral-8x7B@tp4-int8-g128,4,plugin-auto,90,1,1,0.5,\n"
+        "Mixtral-8x7B@tp4-int8-g128,4,vllm-humming,80,1,1,0.5,\n"
+        "Mixtral-8x7B@tp4-int8-g64,4,plugin-auto,90,1,1,0.5,\n"
+        "Mixtral-8x7B@tp4,4,plugin-auto,60,1,1,0.5,\n"
+    )
+    times = report.read_times([path])
+    assert [p.shape for p in report.points(times, report.catalog_shapes())] == [
+        "Mixtral-8x7B@tp4",
+        "Mixtral-8x7B@tp4-int8-g128",
+    ]
+    found = report.shape_of("Mixtral-8x7B@tp4-int8-g128", report.catalog_shapes())
+    assert found[1].bits == 8 and report.problem_of(found[1]).scheme.bits == 8
+    assert report.problem_of(found[1], zero_points=True).scheme.has_zero_point
+    assert report.shape_of("Mixtral-8x7B@tp4-int8-g64", report.catalog_shapes()) is None
+    zp = report.points(times, report.catalog_shapes(), zero_points=True)
+    assert len(zp) == 2

@@ -132,6 +132,11 @@ def check_layer_tensors(
         )
     if hidden * bits % 8 or inter * bits % 8:
         raise ValueError(f"H={hidden} and I={inter} int{bits} values must fill whole bytes")
+    if w13_qweight.dtype != torch.uint8:  # before its bytes per row: an int32-packed tensor has 1/4 of the columns
+        raise ValueError(
+            f"w13_qweight has dtype {str(w13_qweight.dtype).removeprefix('torch.')}; it must be uint8 (E, 2I, "
+            "H*bits/8): bytes of packed values (an int32-packed tensor: pass .view(torch.uint8) of its rows)"
+        )
     if w13_qweight.shape[-1] * 8 != hidden * bits:
         stored = w13_qweight.shape[-1] * 8 / hidden
         hint = f" (it holds int{int(stored)} values: bits={int(stored)}?)" if stored in SUPPORTED_BITS else ""

@@ -7,6 +7,8 @@ whatever the checkpoint wrote (None or -1).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from vllm_wna16_plugin.backends.base import (
     Backend,
     KernelTensors,
@@ -48,7 +50,8 @@ MARLIN_MIN_BYTES_LARGE = 600e6  # ... and this much read
 MARLIN_MAX_TOKENS = 256  # the dev set's last point where Marlin led; the plugin's from 512
 MARLIN_RULE_SOURCE = (
     "Marlin rule (backends/marlin.py; H200 dev set 2026-12-05-c410069-dev and 2026-12-06-3038a96-mid; int8 and zero "
-    "points: 2026-12-06-eda7a88-h200-int8 / -zp, H100 2026-12-07-d59df80-h100-zp-small)"
+    "points: 2026-12-06-eda7a88-h200-int8 / -zp, H100 2026-12-07-d59df80-h100-zp-small; their few-row bars: H100 "
+    "2026-12-07-d3ec747-h100-gemv-zp / -int8)"
 )
 ENV_COMPOSE = "VLLM_WNA16_PLUS_MARLIN"  # auto (default): compose while memory allows; 1: always; 0: never
 
@@ -76,15 +79,39 @@ def marlin_copy_bytes(problem: MoEProblem) -> int:
 # models; Marlin ran two of them): at M 1-4 (1.03-1.13 rows per hit expert) the plugin's kernels were the faster on
 # all 6 points (Qwen3-30B-A3B M=1 12.4 / 30.3 µs, Qwen3-235B-A22B M=4 49.9 / 56.9), at M=8 (1.27 rows, 31 and
 # 123 MB) Marlin on both (Qwen3-30B-A3B 54.5 / 41.8, Qwen3-235B-A22B 95.2 / 82.9). So for these forms Marlin also
-# takes a batch of at least MARLIN_FORM_MIN_TOKENS tokens with MARLIN_FORM_MIN_ROWS rows per hit expert and
-# MARLIN_FORM_MIN_BYTES read: every one of the 23 points above on its faster side. Not timed: int8 below M=16, zero
+# took a batch of at least 8 tokens with 1.2 rows per hit expert and 30 MB read (until the refit below): every one
+# of the 23 points above on its faster side. Not timed: int8 below M=16, zero
 # points at M 5-15 on few-expert models (Mixtral-8x7B at M=8: 2.3 rows, 160 MB, taken), the validation set.
 # Marlin has no int8 kernel with zero points (incompatibility_reason), nor was it timed.
 MARLIN_RULE_FORMS = ((4, False), (4, True), (8, False))  # (bits, zero points)
-MARLIN_FAST_FORMS = ((4, True), (8, False))  # the forms whose few-row batches Marlin takes too
-MARLIN_FORM_MIN_TOKENS = 8  # M=4 was the plugin's on every point timed, M=8 Marlin's
-MARLIN_FORM_MIN_ROWS = 1.2  # between 1.13 (M=4, the plugin's) and 1.27 (M=8, Marlin's) on the 128-expert models
-MARLIN_FORM_MIN_BYTES = 30e6  # Qwen3-30B-A3B at TP 4, M=8: 31 MB, the least read Marlin won
+#
+# Refitted per form after the plugin's GEMV bound (configs.gemv_bound, 070a73f) and the cuda rule's int8 / zero-point
+# forms made its M 2-24 kernels faster: the plugin's fastest kernel against Marlin in the same runs (H100, vLLM
+# 0.34.0, bench/results/h100/2026-12-07-d3ec747-h100-gemv-zp.csv and -int8.csv: the 8 dev models at TP 4, M 2-24).
+# int8: the plugin was the faster on every dev point of M 8-24 the former bar gave Marlin (20 points, 1.01-1.49x:
+# Qwen3-30B-A3B M=8 37.9 / 56.3 µs, Mixtral-8x7B M=24 180.1 / 181.2), so int8's few-row batches go to Marlin only from
+# 32 tokens, where the former bar's evidence (M=64) lies. Zero points: Marlin led from 6 tokens where a hit expert
+# takes 1.3+ rows and the call reads 55+ MB (Mixtral-8x7B and Phi-3.5-MoE from M=6, 1.08-1.22x; Qwen3-235B-A22B from
+# M=12; Qwen3-30B-A3B at M=24, 61 MB, 1.02x), the plugin below (OLMoE-1B-7B at M 8-24 and Qwen3-30B-A3B at M 8-16,
+# 31-50 MB, 1.02-1.43x; Qwen3-235B-A22B M=6, 1.20 rows, 1.04x): every dev point on its faster side but Qwen3-235B-A22B M=8
+# (1.27 rows, even: 84.2 / 83.5). Checked on the validation set (-zpval.csv, -int8val.csv; never fitted on):
+# tests/kernels/test_marlin_rule.py.
+
+
+@dataclass(frozen=True)
+class FormBar:
+    """The few-row batches Marlin also takes for one (bits, zero points) form: at least `min_tokens` tokens with
+    `min_rows` rows per hit expert (base.pairs_per_expert) and `min_bytes` of experts read (base.experts_read)."""
+
+    min_tokens: int
+    min_rows: float
+    min_bytes: float
+
+
+MARLIN_FORM_BARS = {
+    (4, True): FormBar(min_tokens=6, min_rows=1.3, min_bytes=55e6),  # zero points: d3ec747-h100-gemv-zp
+    (8, False): FormBar(min_tokens=32, min_rows=1.2, min_bytes=30e6),  # int8: the plugin's at M 8-24 (-int8)
+}
 
 
 def marlin_rule_applies(problem: MoEProblem, device) -> str | None:
@@ -98,8 +125,7 @@ def marlin_takes(problem: MoEProblem, m: int, device) -> bool:
 
         (rows, read) >= (MARLIN_MIN_ROWS, MARLIN_MIN_BYTES), (MARLIN_MIN_ROWS_SMALL, MARLIN_MIN_BYTES_SMALL) or
         (MARLIN_MIN_ROWS_LARGE, MARLIN_MIN_BYTES_LARGE), each pair compared element-wise, and for int8 and
-        zero-point layers (MARLIN_FAST_FORMS) of at least MARLIN_FORM_MIN_TOKENS tokens also (MARLIN_FORM_MIN_ROWS,
-        MARLIN_FORM_MIN_BYTES)
+        zero-point layers of at least their form's FormBar.min_tokens (MARLIN_FORM_BARS) also (min_rows, min_bytes)
 
     rows = base.pairs_per_expert(problem, m), read = base.experts_read(problem, m)."""
     if m > MARLIN_MAX_TOKENS or marlin_rule_applies(problem, device):
@@ -110,8 +136,9 @@ def marlin_takes(problem: MoEProblem, m: int, device) -> bool:
         (MARLIN_MIN_ROWS_SMALL, MARLIN_MIN_BYTES_SMALL),
         (MARLIN_MIN_ROWS_LARGE, MARLIN_MIN_BYTES_LARGE),
     )
-    if (problem.scheme.bits, bool(problem.scheme.has_zero_point)) in MARLIN_FAST_FORMS and m >= MARLIN_FORM_MIN_TOKENS:
-        bars += ((MARLIN_FORM_MIN_ROWS, MARLIN_FORM_MIN_BYTES),)
+    form = MARLIN_FORM_BARS.get((problem.scheme.bits, bool(problem.scheme.has_zero_point)))
+    if form is not None and m >= form.min_tokens:
+        bars += ((form.min_rows, form.min_bytes),)
     return any(rows >= min_rows and read >= min_bytes for min_rows, min_bytes in bars)
 
 

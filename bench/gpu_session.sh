@@ -149,8 +149,9 @@ for step in "$@"; do
                tar czf "$OUT/user-tuned.tgz" -C /tmp user-tuned 2>/dev/null ;;
     # a second bench step in one call gets its own log (the first is not overwritten)
     # BENCH_ARGS may hold several runs' arguments separated by ' ;; ' (each run its own log and BENCH_TIMEOUT)
-    bench) IFS='#' read -r -a runs <<< "${BENCH_ARGS// ;; /#}"
+    bench) all_args=${BENCH_ARGS:-}; IFS='#' read -r -a runs <<< "${all_args// ;; /#}"
            for args in "${runs[@]:-}"; do
+             [ -n "${all_args}" ] && [ -z "${args// /}" ] && continue  # an empty run between two ' ;; '
              log="$OUT/bench.log"; [ -e "$log" ] && log="$OUT/bench-at-${SECONDS}s.log"
              timeout ${BENCH_TIMEOUT:-480} python3 bench/bench_moe.py --reps 20 --out "$OUT/res" $args 2>&1 | grep --line-buffered -v "^INFO\|^WARNING\|^DEBUG" | tee "$log" | tail -70
            done

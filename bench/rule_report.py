@@ -131,6 +131,8 @@ FORM_SUFFIX = re.compile(r"-int(\d+)-g(-?\d+)$")
 def shape_of(name: str, shapes) -> tuple[str, Shape] | None:
     """(set, Shape) of a run's shape name, its width and group taken from the name's suffix (FORM_SUFFIX), or
     None when the model is not a catalog shape."""
+    if name in shapes:  # a catalog name that carries a suffix itself (gpt-oss-20b@tp4-int4-g32)
+        return shapes[name]
     base = FORM_SUFFIX.sub("", name)
     if base not in shapes:
         return None

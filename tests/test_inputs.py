@@ -127,7 +127,11 @@ def _bad_shapes(p):
         ("w2_qzeros", z2[:, :8], r"w2_qzeros has shape \(4, 8, 1\); it must be \(4, 32, 1\)"),
         ("w13_qweight", p.w13.qweight.view(torch.int8), r"w13_qweight has dtype int8; it must be uint8"),
         # GPTQ's int32 packing (a quarter of the columns): the dtype is named, not the bytes per row
-        ("w13_qweight", p.w13.qweight.view(torch.int32), r"w13_qweight has dtype int32; it must be uint8 .*view"),
+        (
+            "w13_qweight",
+            p.w13.qweight.view(torch.int32),
+            r"w13_qweight has dtype int32; it must be uint8 .*unpack_gptq",
+        ),
         ("w2_scales", w2s.to(torch.int32), r"w2_scales has dtype int32; it must be bfloat16"),
         (
             "w13_scales",

@@ -82,5 +82,8 @@ def test_a_runs_form_is_read_from_its_shape_names_and_flag(report, tmp_path):
     assert found[1].bits == 8 and report.problem_of(found[1]).scheme.bits == 8
     assert report.problem_of(found[1], zero_points=True).scheme.has_zero_point
     assert report.shape_of("Mixtral-8x7B@tp4-int8-g64", report.catalog_shapes()) is None
+    # a catalog model whose own shape names carry the suffix (gpt-oss: groups of 32) is found by its name
+    split, gpt_oss = report.shape_of("gpt-oss-20b@tp4-int4-g32", report.catalog_shapes())
+    assert split == "validation" and gpt_oss.name == "gpt-oss-20b@tp4-int4-g32" and gpt_oss.gs == 32
     zp = report.points(times, report.catalog_shapes(), zero_points=True)
     assert len(zp) == 2

@@ -135,7 +135,8 @@ def check_layer_tensors(
     if w13_qweight.dtype != torch.uint8:  # before its bytes per row: an int32-packed tensor has 1/4 of the columns
         raise ValueError(
             f"w13_qweight has dtype {str(w13_qweight.dtype).removeprefix('torch.')}; it must be uint8 (E, 2I, "
-            "H*bits/8): bytes of packed values (an int32-packed tensor: pass .view(torch.uint8) of its rows)"
+            "H*bits/8): bytes of packed values, the kernel layout (a GPTQ / AWQ int32 qweight is another layout: "
+            "packing.unpack_gptq / unpack_awq, then packing.to_kernel_layout)"
         )
     if w13_qweight.shape[-1] * 8 != hidden * bits:
         stored = w13_qweight.shape[-1] * 8 / hidden

@@ -1,9 +1,9 @@
 """auto composed with Humming end to end (GPU only; sm90 with humming-kernels, i.e. vLLM 0.34's bundle).
 
 The checkpoints' experts are large enough (16 experts of 2048 x 1024, top_k 4: about 3 MB each) that the
-Humming rule (backends/humming.py) takes the prefill batches (64+ rows per hit expert; decode batches from about 8
-sequences, > 40 MB of experts read) while the 1- and 3-sequence decode batches (about 28 MB) stay on the plugin's
-kernels. With CUDA graphs, the composed layer must
+Humming rule (backends/humming.py) takes the prefill batches (64+ rows per hit expert; decode batches from about 5
+sequences, > 35 MB of experts read) while the 1- and 3-sequence decode batches (about 12 and 28 MB) stay on the
+plugin's kernels. With CUDA graphs, the composed layer must
 generate like the float32 reference backend, log that it composed, and VLLM_WNA16_PLUS_HUMMING=0 must
 keep it to one copy (the plugin's kernels alone), generating alike too. An AWQ (zero points) and an int8 checkpoint
 of the same dimensions compose as well (the rule speaks for both since 2026-12-07).

@@ -287,23 +287,23 @@ def _to_humming(qweight, scales, qzeros, dtype) -> dict[str, torch.Tensor]:
 # Checked on the validation set (2026-12-05-c410069-val4.md, -val-mixtral8x22b.csv; never fitted on):
 # bench/rule_report.py. Measured for int4, symmetric, groups 32-128 on sm90 only (int8 and zero points: below):
 # elsewhere auto never composes.
-# Raised from 20 to 40 MB after the plugin's GEMV bound (kernels/triton/configs.gemv_bound, 070a73f) made its M 2-24
+# Raised from 20 to 35 MB after the plugin's GEMV bound (kernels/triton/configs.gemv_bound, 070a73f) made its M 2-24
 # kernels faster (H100, vLLM 0.34.0; the plugin's time from bench/results/h100/2026-12-07-d3ec747-h100-gemv-dev.csv,
 # the fastest of its kernels there, Humming's from 2026-12-07-21a66c2-h100-dev-composed.csv: two runs on the same
 # kind of GPU, not one): at M=4 the two dev points reading 21-23 MB turned to the plugin's (DeepSeek-V2-Lite at TP 4
 # 24.6 / 34.1 µs, OLMoE-1B-7B 21.1 / 31.8), the other 14 points at M 4-16 (45-197 MB, or under 20 MB) keep their side.
 # Where the bar sits between 23 and 45 MB (no dev point reads between): each dev model's two points (M=4, 16) give
-# each kernel's time as a line in the bytes read, and those lines cross at 40-44 MB on the small-expert models
-# (DeepSeek-V2-Lite, OLMoE-1B-7B, Qwen3-30B-A3B) and 59-61 MB on GLM-4.5-Air and Qwen3-235B-A22B: the bar is the
+# each kernel's time as a line in the bytes read, and those lines cross at 35 MB (Qwen1.5-MoE-A2.7B), 41-44 MB
+# (DeepSeek-V2-Lite, OLMoE-1B-7B, Qwen3-30B-A3B) and 58-60 MB (Qwen3-235B-A22B, GLM-4.5-Air): the bar is the
 # lowest crossing, so the change only hands batches to the plugin where it was measured or modelled faster. Zero
 # points agree (the plugin from -gemv-zp.csv, Humming from 2026-12-07-d59df80-h100-zp-small.csv): at M=8 Qwen3-30B-A3B
 # (31 MB) 30.0 / 38.2 µs and Qwen1.5-MoE-A2.7B (29 MB) 29.6 / 39.8 now go to the plugin, Qwen3-235B-A22B (123 MB)
 # 84.2 / 71.1 stays Humming's. On the validation set (H100, 2026-12-05-c8ee655-composed.csv / -composed2.csv: the
-# plugin's former kernels, never fitted on) the only points reading 20-40 MB beyond M=2 were the plugin's, both missed
+# plugin's former kernels, never fitted on) the only points reading 20-35 MB beyond M=2 were the plugin's, both missed
 # by the 20 MB bar (ERNIE-4.5-21B-A3B at TP 4, M=4, 31 MB: 36.8 / 39.0 µs; Qwen3-Next-80B-A3B M=8, 30 MB: 26.2 / 33.6).
 # Untimed: M 6-12 beside Humming on the new kernels, int8 below M=16 (docs/gpu-machine.md keeps the call).
 HUMMING_M1_MIN_BYTES = 56e6
-HUMMING_MIN_BYTES = 40e6
+HUMMING_MIN_BYTES = 35e6
 # M=2 was not timed beside Humming: its bar is M=1's, since Humming's times bracket M=2 between its M=1 and
 # M=4 ones and the plugin's own M=2 times (run stream3) sit nearer its M=1 ones (Qwen3-30B-A3B: 20 / 29 / 48 µs
 # at M=1 / 2 / 4 against Humming's 29 / - / 46)
@@ -313,14 +313,14 @@ HUMMING_M1_BAR_UP_TO = 2
 # 8 dev models at TP 4, M=1024 and 4096, 64-1024 rows on each): faster than the plugin's own kernels on all 16
 # (plugin / Humming µs: Qwen3-235B-A22B M=1024 472 / 298, Qwen3-30B-A3B M=4096 459 / 429) and than the hopper
 # kernel on 7 of the 10 it can run (Qwen3-235B M=4096 1052 / 898; hopper ahead by at most 7%: Phi-3.5-MoE M=1024
-# 236 / 253). The bytes bar above alone left the prefill of layers reading less than 20 MB to the plugin: on the
+# 236 / 253). The bytes bar above (20 MB then) alone left the prefill of layers reading less than 20 MB to the plugin: on the
 # validation set (H200, bench/results/h200/2026-12-06-eda7a88-h200-val-composed.md: where the miss was seen, so not
 # an independent check) granite-3.1-3b-a800m at TP 4 (12 MB) ran M=1024 / 4096 on the hopper copy in 90.9 / 261 µs
 # against Humming's 72.3 / 242.
 HUMMING_PREFILL_ROWS = 64.0
 HUMMING_RULE_SOURCE = (
     "Humming rule (backends/humming.py; H200 dev set 2026-12-05-c410069-dev, validated on -val4; int8 and zero "
-    "points: 2026-12-06-eda7a88-h200-int8 / -zp, H100 2026-12-07-d59df80-h100-zp-small; the 40 MB bar: H100 "
+    "points: 2026-12-06-eda7a88-h200-int8 / -zp, H100 2026-12-07-d59df80-h100-zp-small; the 35 MB bar: H100 "
     "d3ec747-h100-gemv-dev against 21a66c2-h100-dev-composed, not validated)"
 )
 ENV_COMPOSE = "VLLM_WNA16_PLUS_HUMMING"  # auto (default): compose while memory allows; 1: always; 0: never

@@ -73,15 +73,15 @@ def marlin_copy_bytes(problem: MoEProblem) -> int:
 # Marlin µs: zero points Mixtral-8x7B M=64 198 / 122, int8 Phi-3.5-MoE M=64 315 / 120). The other 7 (M=16 on all
 # three, and zero points on Qwen3-30B-A3B at M=64: 1.58-4.1 rows per hit expert, 50-353 MB read) were Marlin's too,
 # by 1.12-2.73x (int8 Phi-3.5-MoE M=16 266 / 97; zero points Qwen3-30B-A3B M=16, 50 MB, 56.7 / 50.5): the plugin's
-# int8 and zero-point kernels at a few rows per expert have none of the int4 decode kernels' lead (int8 runs the
-# Triton tiles: the CUDA kernel's rule is int4's). At decode the order turns: zero points on three more dev models at
+# int8 and zero-point kernels at a few rows per expert had none of the int4 decode kernels' lead (int8 ran the
+# Triton tiles then: the CUDA kernel's rule was int4's until 070a73f). At decode the order turns: zero points on three more dev models at
 # TP 4, M 1-8 (H100, vLLM 0.34.0, bench/results/h100/2026-12-07-d59df80-h100-zp-small.md, cut short after three
 # models; Marlin ran two of them): at M 1-4 (1.03-1.13 rows per hit expert) the plugin's kernels were the faster on
 # all 6 points (Qwen3-30B-A3B M=1 12.4 / 30.3 µs, Qwen3-235B-A22B M=4 49.9 / 56.9), at M=8 (1.27 rows, 31 and
 # 123 MB) Marlin on both (Qwen3-30B-A3B 54.5 / 41.8, Qwen3-235B-A22B 95.2 / 82.9). So for these forms Marlin also
 # took a batch of at least 8 tokens with 1.2 rows per hit expert and 30 MB read (until the refit below): every one
-# of the 23 points above on its faster side. Not timed: int8 below M=16, zero
-# points at M 5-15 on few-expert models (Mixtral-8x7B at M=8: 2.3 rows, 160 MB, taken), the validation set.
+# of the 23 points above on its faster side (int8 below M=16, zero points at M 5-15 and the validation set were
+# untimed then: the d3ec747 runs below time them).
 # Marlin has no int8 kernel with zero points (incompatibility_reason), nor was it timed.
 MARLIN_RULE_FORMS = ((4, False), (4, True), (8, False))  # (bits, zero points)
 #
@@ -93,7 +93,7 @@ MARLIN_RULE_FORMS = ((4, False), (4, True), (8, False))  # (bits, zero points)
 # 32 tokens, where the former bar's evidence (M=64) lies. Zero points: Marlin led from 6 tokens where a hit expert
 # takes 1.3+ rows and the call reads 55+ MB (Mixtral-8x7B and Phi-3.5-MoE from M=6, 1.08-1.22x; Qwen3-235B-A22B from
 # M=12; Qwen3-30B-A3B at M=24, 61 MB, 1.02x), the plugin below (OLMoE-1B-7B at M 8-24 and Qwen3-30B-A3B at M 8-16,
-# 31-50 MB, 1.02-1.43x; Qwen3-235B-A22B M=6, 1.20 rows, 1.04x): every dev point on its faster side but Qwen3-235B-A22B M=8
+# 31-50 MB, 1.02-1.44x; Qwen3-235B-A22B M=6, 1.20 rows, 1.04x): every dev point on its faster side but Qwen3-235B-A22B M=8
 # (1.27 rows, even: 84.2 / 83.5). Checked on the validation set (-zpval.csv, -int8val.csv; never fitted on):
 # tests/kernels/test_marlin_rule.py.
 

@@ -131,6 +131,35 @@ MIXTRAL_AWQ_THEBLOKE = {
     "modules_to_not_convert": None,
 }
 
+# transformers 5's AwqConfig.to_dict (a checkpoint saved with save_pretrained): `backend` is the kernel it ran with
+# ("auto" by default; transformers 4 wrote "autoawq"), `format` and `version` the packing, plus GPTQConfig's keys.
+TRANSFORMERS5_AWQ = {
+    "zero_point": True,
+    "modules_to_not_convert": ["gate"],
+    "quant_method": "awq",
+    "bits": 4,
+    "tokenizer": None,
+    "dataset": None,
+    "group_size": 128,
+    "damp_percent": 0.1,
+    "desc_act": False,
+    "act_group_aware": True,
+    "sym": True,
+    "true_sequential": True,
+    "format": "gemm",
+    "meta": None,
+    "backend": "auto",
+    "model_seqlen": None,
+    "block_name_to_quantize": None,
+    "module_name_preceding_first_block": None,
+    "batch_size": 1,
+    "pad_token_id": None,
+    "max_input_length": None,
+    "cache_block_outputs": True,
+    "modules_in_block_to_quantize": None,
+    "version": "gemm",
+}
+
 # AutoAWQ's own quant_config.json spelling.
 AUTOAWQ_SPELLING = {"quant_method": "awq", "zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"}
 
@@ -189,6 +218,7 @@ VALID_CONFIGS = {
     "gemma4-ct-channel": GEMMA4_CT_CHANNELWISE,
     "mixtral-awq": MIXTRAL_AWQ_THEBLOKE,
     "autoawq-spelling": AUTOAWQ_SPELLING,
+    "transformers5-awq": TRANSFORMERS5_AWQ,
     "ct-gs128-asym": CT_GS128_ASYM,
     "gptq-int8": GPTQ_INT8,
     "gptq-v2-asym": GPTQ_V2_ASYM,
@@ -207,6 +237,7 @@ EXPECTED = {
     "gemma4-ct-channel": (_scheme(4, -1, False, PackFormat.CT_PACKED, src="compressed-tensors"), "compressed-tensors"),
     "mixtral-awq": (_scheme(4, 128, True, PackFormat.AWQ, src="awq"), "awq"),
     "autoawq-spelling": (_scheme(4, 64, True, PackFormat.AWQ, src="awq"), "awq"),
+    "transformers5-awq": (_scheme(4, 128, True, PackFormat.AWQ, src="awq"), "awq"),
     "ct-gs128-asym": (_scheme(4, 128, True, PackFormat.CT_PACKED, src="compressed-tensors"), "compressed-tensors"),
     "gptq-int8": (_scheme(8, 128, False, PackFormat.GPTQ, off=1, src="gptq"), "gptq"),
     "gptq-v2-asym": (_scheme(4, 64, True, PackFormat.GPTQ, off=0, src="gptq"), "gptq"),
@@ -665,8 +696,13 @@ BAD_CONFIGS = [
     ),
     pytest.param(
         {**MIXTRAL_AWQ_THEBLOKE, "backend": "llm-awq"},
-        r"backend='llm-awq' is not supported",
+        r"backend='llm-awq' is not supported \(llm-awq's packing differs from AutoAWQ GEMM",
         id="awq-llm-awq",
+    ),
+    pytest.param(
+        {**TRANSFORMERS5_AWQ, "backend": "tensorrt"},
+        r"backend='tensorrt' is not a known AWQ backend; supported: 'autoawq', 'auto', ",
+        id="awq-unknown-backend",
     ),
     pytest.param({**MIXTRAL_AWQ_THEBLOKE, "group_size": 0}, r"group_size=0 is not supported", id="awq-gs0"),
     pytest.param(

@@ -28,6 +28,10 @@ from vllm_wna16_plugin.scheme import CHANNELWISE, SUPPORTED_BITS, PackFormat, WN
 GPTQ_CHECKPOINT_FORMATS = MappingProxyType({"gptq": 1, "gptq_v2": 0})
 AWQ_VERSIONS = ("gemm",)
 AWQ_BITS = (4,)
+# AWQ `backend`: transformers 4 writes AutoAWQ's "autoawq", transformers 5 the kernel it runs with (AwqBackend; "auto"
+# by default), whose packing `version` names; "llm-awq" (GEMV_FAST packing) is refused.
+AWQ_BACKENDS = ("autoawq", "auto", "auto_trainable", "machete", "marlin", "exllama_v1", "exllama_v2", "gemm",
+                "gemm_triton", "gemv", "gemv_fast", "torch_awq", "torch_fused_awq")  # fmt: skip
 CT_FORMAT = "pack-quantized"
 CT_STRATEGIES = ("group", "channel")
 # compressed-tensors ActivationOrdering -> does the checkpoint carry a g_idx (desc_act)?
@@ -589,8 +593,15 @@ def parse_awq(cfg: Mapping) -> CheckpointQuantConfig:
             "'gemm'",
         )
     backend = cfg.get("backend")
-    if backend is not None and backend != "autoawq":
-        raise _error("backend", backend, "is not supported (its packing differs from AutoAWQ GEMM)", "'autoawq'")
+    if backend is not None and backend not in AWQ_BACKENDS:
+        raise _error(
+            "backend",
+            backend,
+            "is not supported (llm-awq's packing differs from AutoAWQ GEMM; re-export the checkpoint with AutoAWQ)"
+            if backend == "llm-awq"
+            else "is not a known AWQ backend",
+            ", ".join(map(repr, AWQ_BACKENDS)),
+        )
     lm_head = _check_bool("lm_head", cfg.get("lm_head", False))
     not_convert = _check_str_list("modules_to_not_convert", cfg.get("modules_to_not_convert"))
     scheme = WNA16Scheme(bits=bits, group_size=gs, has_zero_point=zero_point, pack_format=PackFormat.AWQ, source="awq")

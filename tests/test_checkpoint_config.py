@@ -347,6 +347,13 @@ def test_gptq_modules_in_block_to_quantize_checks_every_shard():
 # ---------------------------------------------------------------- AWQ details
 
 
+def test_awq_dynamic_rules_that_keep_the_top_level_scheme_parse():
+    """GPTQModel's AWQ `dynamic`: "-:" rules (modules stored float, which the dtypes show) and overrides equal to the
+    top level change nothing vLLM's AWQ method runs."""
+    cfg = {**MIXTRAL_AWQ_THEBLOKE, "dynamic": {"-:.*shared_expert.*": {}, r"+:.*experts.*": {"bits": 4, "sym": False}}}
+    assert parse_awq(cfg).scheme == parse_awq(MIXTRAL_AWQ_THEBLOKE).scheme
+
+
 def test_awq_modules_to_not_convert_is_a_substring_match():
     cfg = parse_awq({**MIXTRAL_AWQ_THEBLOKE, "modules_to_not_convert": ["gate"]})
     assert cfg.is_excluded("model.layers.0.block_sparse_moe.gate")
@@ -703,6 +710,20 @@ BAD_CONFIGS = [
         {**TRANSFORMERS5_AWQ, "backend": "tensorrt"},
         r"backend='tensorrt' is not a known AWQ backend; supported: 'autoawq', 'auto', ",
         id="awq-unknown-backend",
+    ),
+    pytest.param(  # GPTQModel writes `dynamic` into AWQ configs; vLLM's AWQ method reads none of it
+        {**TRANSFORMERS5_AWQ, "dynamic": {"+:.*mlp.experts.*": {"group_size": 32}}},
+        re.escape("quantization_config.dynamic['+:.*mlp.experts.*'].group_size=32 is not supported (vLLM's AWQ ")
+        + r"method reads no `dynamic` rules.*group_size=128.*; supported: 128 \(the top level's\), or only '-:' rules",
+        id="awq-dynamic-group-size",
+    ),
+    pytest.param(
+        {**MIXTRAL_AWQ_THEBLOKE, "dynamic": {r".*down_proj": {"sym": True}}},
+        r"dynamic\['\.\*down_proj'\]\.sym=True is not supported .*; supported: False \(the top level's\)",
+        id="awq-dynamic-sym",
+    ),
+    pytest.param(
+        {**MIXTRAL_AWQ_THEBLOKE, "dynamic": [".*"]}, r"dynamic=\['\.\*'\] is not a JSON object", id="awq-dyn-list"
     ),
     pytest.param({**MIXTRAL_AWQ_THEBLOKE, "group_size": 0}, r"group_size=0 is not supported", id="awq-gs0"),
     pytest.param(

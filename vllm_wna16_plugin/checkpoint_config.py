@@ -572,6 +572,30 @@ def parse_gptq(cfg: Mapping) -> CheckpointQuantConfig:
 # ---------------------------------------------------------------- AWQ
 
 
+def _check_awq_dynamic(cfg: Mapping, top: Mapping[str, Any]) -> None:
+    """GPTQModel writes its per-module `dynamic` rules into AWQ configs too; vLLM's AWQ method reads none of them,
+    so every quantized module runs the top-level scheme. "-:" rules (modules left float) are shown by the stored
+    dtypes; a positive rule giving modules another bits / group_size / sym than the top level is refused by name
+    (else loading would blame the top-level field the other modules need)."""
+    dynamic = _check_mapping("dynamic", cfg.get("dynamic") or {})
+    for key, overrides in dynamic.items():
+        if not isinstance(key, str):
+            raise _error("dynamic", key, "has a non-string key", '"+:regex" or "-:regex" keys')
+        if key.startswith("-:"):
+            continue
+        where = f"dynamic[{key!r}]"
+        overrides = _check_mapping(where, overrides if overrides is not None else {})
+        for name, value in top.items():
+            if name in overrides and not _same(overrides[name], value):
+                raise _error(
+                    f"{where}.{name}",
+                    overrides[name],
+                    "is not supported (vLLM's AWQ method reads no `dynamic` rules: every quantized module runs the "
+                    f"top-level scheme, {name}={value!r}; re-export the checkpoint with one AWQ scheme)",
+                    f"{value!r} (the top level's), or only '-:' rules",
+                )
+
+
 def parse_awq(cfg: Mapping) -> CheckpointQuantConfig:
     """AutoAWQ / transformers AwqConfig: bits|w_bit (4 only), group_size|q_group_size,
     zero_point, version ("gemm" only), modules_to_not_convert (substring match), lm_head."""
@@ -602,6 +626,7 @@ def parse_awq(cfg: Mapping) -> CheckpointQuantConfig:
             else "is not a known AWQ backend",
             ", ".join(map(repr, AWQ_BACKENDS)),
         )
+    _check_awq_dynamic(cfg, {"bits": bits, "group_size": gs, "sym": not zero_point})
     lm_head = _check_bool("lm_head", cfg.get("lm_head", False))
     not_convert = _check_str_list("modules_to_not_convert", cfg.get("modules_to_not_convert"))
     scheme = WNA16Scheme(bits=bits, group_size=gs, has_zero_point=zero_point, pack_format=PackFormat.AWQ, source="awq")

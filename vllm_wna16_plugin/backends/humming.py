@@ -301,7 +301,9 @@ def _to_humming(qweight, scales, qzeros, dtype) -> dict[str, torch.Tensor]:
 # 84.2 / 71.1 stays Humming's. On the validation set (H100, 2026-12-05-c8ee655-composed.csv / -composed2.csv: the
 # plugin's former kernels, never fitted on) the only points reading 20-35 MB beyond M=2 were the plugin's, both missed
 # by the 20 MB bar (ERNIE-4.5-21B-A3B at TP 4, M=4, 31 MB: 36.8 / 39.0 µs; Qwen3-Next-80B-A3B M=8, 30 MB: 26.2 / 33.6).
-# Untimed: M 6-12 beside Humming on the new kernels, int8 below M=16 (docs/gpu-machine.md keeps the call).
+# Re-timed in one run each at M 2-32 (H100, b542b3f-h100-compose-dev / -zp, 4 of the dev models): every choice within
+# 4% of the faster side, 12% with zero points; on the validation run (-val / -zpval, not fitted on) Humming was taken
+# at 1.1-1.3 rows per hit expert and 42-83 MB where the plugin led by 7-26% (docs/perf/any-model.md, last section).
 HUMMING_M1_MIN_BYTES = 56e6
 HUMMING_MIN_BYTES = 35e6
 # M=2 was not timed beside Humming: its bar is M=1's, since Humming's times bracket M=2 between its M=1 and
@@ -318,10 +320,37 @@ HUMMING_M1_BAR_UP_TO = 2
 # an independent check) granite-3.1-3b-a800m at TP 4 (12 MB) ran M=1024 / 4096 on the hopper copy in 90.9 / 261 µs
 # against Humming's 72.3 / 242.
 HUMMING_PREFILL_ROWS = 64.0
+
+
+# int8's own bar, in place of the two above for (8, False) up to 64 tokens: against the plugin's int8 kernels as the
+# GEMV bound and the cuda rule run them (070a73f), Humming's int8 was the slower side on 26 of the 31 development
+# points reading at most 200 MB (H100, vLLM 0.34.0, bench/results/h100/2026-12-07-b542b3f-h100-compose-int8.csv: the
+# 8 dev models at TP 4, M 4-64, plugin-auto and Humming in the same run): on the small experts (Qwen3-30B-A3B,
+# Qwen1.5-MoE-A2.7B, DeepSeek-V2-Lite; 34-151 MB) the plugin led at every M up to 48, by up to 1.61x
+# (DeepSeek-V2-Lite M=4 30.4 / 48.9 µs; Qwen3-30B-A3B M=8 36.4 / 53.3), and on the large ones at M=4 (Qwen3-235B-A22B
+# 136 MB, 69.3 / 75.9; Phi-3.5-MoE 130 MB, 69.2 / 72.3). Above 200 MB Humming led on 22 of 25 points (Qwen3-235B-A22B
+# M=8, 242 MB, 123.5 / 119.3; Mixtral-8x7B M=64 264 / 148); the three others within 8% (GLM-4.5-Air M=8, 225 MB,
+# 110.5 / 119.3; Mixtral-8x7B M=4, 235 MB, 110.7 / 114.1; Phi-3.5-MoE M=48 even). Per model, each side's time as a
+# line between the two points that bracket the crossing crosses at 181 MB (Phi-3.5-MoE), 209 (Qwen3-235B-A22B), 255
+# (Mixtral-8x7B) and 299 (GLM-4.5-Air): 200 MB, near the lowest. Left over: OLMoE-1B-7B (1.6 MB experts) at M 16-32
+# and 64 (89-102 MB), Humming's by 1-12% (M=64: 75.1 / 67.4). Above 64 tokens (not timed here) the bars above apply
+# again, as they did before. Not timed: int8 at M 1-2 beside Humming (this bar applies there too: M=1's bar is the
+# higher one for int4), the validation set in int8 beside Humming, the H200.
+@dataclass(frozen=True)
+class FormBar:
+    """A (bits, zero points) form's own bytes bar: Humming takes a batch of at most `up_to_tokens` tokens when it
+    reads more than `min_bytes` of experts (base.experts_read), in place of HUMMING_M1_MIN_BYTES / HUMMING_MIN_BYTES."""
+
+    min_bytes: float
+    up_to_tokens: int
+
+
+HUMMING_FORM_BARS = {(8, False): FormBar(min_bytes=200e6, up_to_tokens=64)}  # int8: b542b3f-h100-compose-int8
 HUMMING_RULE_SOURCE = (
     "Humming rule (backends/humming.py; H200 dev set 2026-12-05-c410069-dev, validated on -val4; int8 and zero "
     "points: 2026-12-06-eda7a88-h200-int8 / -zp, H100 2026-12-07-d59df80-h100-zp-small; the 35 MB bar: H100 "
-    "d3ec747-h100-gemv-dev against 21a66c2-h100-dev-composed, not validated)"
+    "d3ec747-h100-gemv-dev against 21a66c2-h100-dev-composed, re-timed b542b3f-h100-compose-dev; int8's 200 MB bar: H100 "
+    "b542b3f-h100-compose-int8, not validated)"
 )
 ENV_COMPOSE = "VLLM_WNA16_PLUS_HUMMING"  # auto (default): compose while memory allows; 1: always; 0: never
 
@@ -355,10 +384,9 @@ def humming_copy_bytes(problem: MoEProblem) -> int:
 # int4. Below M=16 zero points were timed on three dev models at TP 4 (two of them new), M 1-8 (H100, bench/results/
 # h100/2026-12-07-d59df80-h100-zp-small.md, cut short after three models): the bars' choice was the faster side on
 # all 12 points (the plugin at M 1-4, by 1.08-2.5x, Qwen3-30B-A3B M=1 12.4 / 30.9 µs; Humming at M=8, Qwen3-30B-A3B
-# 54.5 / 38.2; Qwen3-235B-A22B M=4 even, 49.9 / 49.8). int8 was not timed below M=16; the bytes bar reads int8's
-# doubled bytes, so some decode batches of large experts go to Humming untimed (int8 Mixtral-8x7B at TP 4 from M=1,
-# 84 MB; zero points and int8 on Mixtral-8x7B and Phi-3.5-MoE at TP 4 from M 2-4, int8 Qwen3-30B-A3B from M=4); the
-# small reads stay on the plugin. int8 with zero points was never measured: outside the rule.
+# 54.5 / 38.2; Qwen3-235B-A22B M=4 even, 49.9 / 49.8). int8 below M=16, first timed at b542b3f beside the
+# GEMV-bound kernels, has its own bar since (HUMMING_FORM_BARS, above). int8 with zero points was never measured:
+# outside the rule.
 HUMMING_RULE_FORMS = ((4, False), (4, True), (8, False))  # (bits, zero points)
 
 
@@ -370,12 +398,15 @@ def humming_rule_applies(problem: MoEProblem, device) -> str | None:
 
 def humming_takes(problem: MoEProblem, m: int, device) -> bool:
     """Whether auto runs `m` tokens of this layer on Humming (the rule above): the expert weights a call
-    of m tokens reads (experts_read) above HUMMING_M1_MIN_BYTES (m <= 2) or HUMMING_MIN_BYTES, or at least
-    HUMMING_PREFILL_ROWS rows per hit expert (prefill)."""
+    of m tokens reads (experts_read) above HUMMING_M1_MIN_BYTES (m <= 2) or HUMMING_MIN_BYTES (int8 up to
+    64 tokens: HUMMING_FORM_BARS), or at least HUMMING_PREFILL_ROWS rows per hit expert (prefill)."""
     if humming_rule_applies(problem, device):
         return False
     if pairs_per_expert(problem, m) >= HUMMING_PREFILL_ROWS:
         return True
+    form_bar = HUMMING_FORM_BARS.get((problem.scheme.bits, problem.scheme.has_zero_point))
+    if form_bar is not None and m <= form_bar.up_to_tokens:
+        return experts_read(problem, m) > form_bar.min_bytes
     return experts_read(problem, m) > (HUMMING_M1_MIN_BYTES if m <= HUMMING_M1_BAR_UP_TO else HUMMING_MIN_BYTES)
 
 

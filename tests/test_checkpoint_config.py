@@ -354,6 +354,11 @@ def test_awq_dynamic_rules_that_keep_the_top_level_scheme_parse():
     assert parse_awq(cfg).scheme == parse_awq(MIXTRAL_AWQ_THEBLOKE).scheme
 
 
+@pytest.mark.parametrize("backend", ["AUTO", "autoawq", "marlin"])
+def test_awq_backend_names_the_kernel_in_any_case(backend):
+    assert parse_awq({**TRANSFORMERS5_AWQ, "backend": backend}).scheme == parse_awq(TRANSFORMERS5_AWQ).scheme
+
+
 def test_awq_modules_to_not_convert_is_a_substring_match():
     cfg = parse_awq({**MIXTRAL_AWQ_THEBLOKE, "modules_to_not_convert": ["gate"]})
     assert cfg.is_excluded("model.layers.0.block_sparse_moe.gate")
@@ -710,6 +715,21 @@ BAD_CONFIGS = [
         {**TRANSFORMERS5_AWQ, "backend": "tensorrt"},
         r"backend='tensorrt' is not a known AWQ backend; supported: 'autoawq', 'auto', ",
         id="awq-unknown-backend",
+    ),
+    pytest.param(  # transformers 5 reads `format` as the packing when `version` is absent
+        {k: v for k, v in {**TRANSFORMERS5_AWQ, "format": "gemv_fast"}.items() if k != "version"},
+        r"format='gemv_fast' is not supported \(only GEMM packing",
+        id="awq-format-gemv-fast",
+    ),
+    pytest.param(
+        {**TRANSFORMERS5_AWQ, "backend": "gemv_fast"},
+        r"backend='gemv_fast' is not a known AWQ backend",
+        id="awq-gemv-kernel-backend",
+    ),
+    pytest.param(
+        {**TRANSFORMERS5_AWQ, "dynamic": {"+:.*mlp.experts.*": {"zero_point": False}}},
+        re.escape("quantization_config.dynamic['+:.*mlp.experts.*'].zero_point=False is not supported"),
+        id="awq-dynamic-zero-point",
     ),
     pytest.param(  # GPTQModel writes `dynamic` into AWQ configs; vLLM's AWQ method reads none of it
         {**TRANSFORMERS5_AWQ, "dynamic": {"+:.*mlp.experts.*": {"group_size": 32}}},

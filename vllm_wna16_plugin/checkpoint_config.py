@@ -30,8 +30,9 @@ AWQ_VERSIONS = ("gemm",)
 AWQ_BITS = (4,)
 # AWQ `backend`: transformers 4 writes AutoAWQ's "autoawq", transformers 5 the kernel it runs with (AwqBackend; "auto"
 # by default), whose packing `version` names; "llm-awq" (GEMV_FAST packing) is refused.
+# The GEMV kernels' names ("gemv", "gemv_fast") are refused: they run the GEMV packings.
 AWQ_BACKENDS = ("autoawq", "auto", "auto_trainable", "machete", "marlin", "exllama_v1", "exllama_v2", "gemm",
-                "gemm_triton", "gemv", "gemv_fast", "torch_awq", "torch_fused_awq")  # fmt: skip
+                "gemm_triton", "torch_awq", "torch_fused_awq")  # fmt: skip
 CT_FORMAT = "pack-quantized"
 CT_STRATEGIES = ("group", "channel")
 # compressed-tensors ActivationOrdering -> does the checkpoint carry a g_idx (desc_act)?
@@ -574,9 +575,10 @@ def parse_gptq(cfg: Mapping) -> CheckpointQuantConfig:
 
 def _check_awq_dynamic(cfg: Mapping, top: Mapping[str, Any]) -> None:
     """GPTQModel writes its per-module `dynamic` rules into AWQ configs too; vLLM's AWQ method reads none of them,
-    so every quantized module runs the top-level scheme. "-:" rules (modules left float) are shown by the stored
-    dtypes; a positive rule giving modules another bits / group_size / sym than the top level is refused by name
-    (else loading would blame the top-level field the other modules need)."""
+    so every quantized module runs the top-level scheme. "-:" rules are not applied either (experts they leave float
+    are refused at load by their stored dtypes); a positive rule giving modules another bits / group_size / sym (in
+    GPTQ's or AWQ's spelling) than the top level is refused by name (else loading would blame the top-level field
+    the other modules need)."""
     dynamic = _check_mapping("dynamic", cfg.get("dynamic") or {})
     for key, overrides in dynamic.items():
         if not isinstance(key, str):
@@ -608,25 +610,28 @@ def parse_awq(cfg: Mapping) -> CheckpointQuantConfig:
     gs = _check_group_size(gs_key, gs)
     _, zero_point = _require(cfg, ["zero_point"], "true (zero points), false (symmetric)")
     zero_point = _check_bool("zero_point", zero_point)
-    version = cfg.get("version", "gemm")
+    # the packing: `version` (AutoAWQ, and what transformers 5 writes), else transformers 5's `format`
+    version_key = "version" if "version" in cfg or "format" not in cfg else "format"
+    version = cfg.get(version_key, "gemm")
     if not isinstance(version, str) or version.lower() not in AWQ_VERSIONS:
         raise _error(
-            "version",
+            version_key,
             version,
             "is not supported (only GEMM packing is read; re-export the checkpoint with version='gemm')",
             "'gemm'",
         )
     backend = cfg.get("backend")
-    if backend is not None and backend not in AWQ_BACKENDS:
+    if backend is not None and (not isinstance(backend, str) or backend.lower() not in AWQ_BACKENDS):
         raise _error(
             "backend",
             backend,
             "is not supported (llm-awq's packing differs from AutoAWQ GEMM; re-export the checkpoint with AutoAWQ)"
-            if backend == "llm-awq"
+            if str(backend).lower() == "llm-awq"
             else "is not a known AWQ backend",
             ", ".join(map(repr, AWQ_BACKENDS)),
         )
-    _check_awq_dynamic(cfg, {"bits": bits, "group_size": gs, "sym": not zero_point})
+    _check_awq_dynamic(cfg, {"bits": bits, "w_bit": bits, "group_size": gs, "q_group_size": gs,
+                             "sym": not zero_point, "zero_point": zero_point})  # fmt: skip
     lm_head = _check_bool("lm_head", cfg.get("lm_head", False))
     not_convert = _check_str_list("modules_to_not_convert", cfg.get("modules_to_not_convert"))
     scheme = WNA16Scheme(bits=bits, group_size=gs, has_zero_point=zero_point, pack_format=PackFormat.AWQ, source="awq")

@@ -200,8 +200,8 @@ COMPOSE_RUN = "../h100/2026-12-07-b542b3f-h100-compose-{}.csv"  # plugin-auto be
 
 def test_the_int8_bar_on_the_gemv_bound_kernels():
     """The int8 development run its bar was fitted on (8 models at TP 4, M 4-64): the former bars (35 MB, as int4)
-    gave Humming 53 of 56 points and the plugin was faster on 27 of them, by up to 1.61x; the 200 MB bar keeps every
-    choice within 13% of the faster side (OLMoE-1B-7B M=64, 102 MB: 1.12x, Humming's)."""
+    gave Humming 54 of 56 points and the plugin was faster on 27 of them, by up to 1.61x; the 170 MB bar keeps every
+    choice within 13% of the faster side (OLMoE-1B-7B M=64, 102 MB: the plugin's, Humming faster by 1.12x)."""
     got = decisions(COMPOSE_RUN.format("int8"), bits=8, now=False)
     assert len(got) == 56
     assert all(d[3] < 1.13 for d in got), max(got, key=lambda d: d[3])
@@ -209,9 +209,10 @@ def test_the_int8_bar_on_the_gemv_bound_kernels():
     takes = {(shape.split("@")[0], m): t for shape, m, t, _ in got}
     assert not takes["DeepSeek-V2-Lite", 4] and not takes["Qwen3-30B-A3B", 48]  # 45 / 147 MB: the plugin's
     assert takes["Qwen3-235B-A22B", 8] and takes["Mixtral-8x7B", 64]  # 242 / 358 MB: Humming by 1.04 / 1.79x
-    s = {name: shape for name, (_, shape) in catalog_shapes().items()}["Mixtral-8x7B@tp4"]
-    mixtral = problem_of(s.E, s.top_k, s.H, s.I, s.gs, bits=8, gs2=s.group_w2)
-    assert humming_takes(mixtral, 65, H200) and not humming_takes(mixtral, 1, H200)  # above 64 tokens: the 35 MB bar
+    s = {name: shape for name, (_, shape) in catalog_shapes().items()}["Qwen3-30B-A3B@tp4"]
+    qwen = problem_of(s.E, s.top_k, s.H, s.I, s.gs, bits=8, gs2=s.group_w2)
+    assert HUMMING_MIN_BYTES < experts_read(qwen, 65) < 170e6  # ~151 MB
+    assert not humming_takes(qwen, 64, H200) and humming_takes(qwen, 65, H200)  # above 64 tokens: the 35 MB bar
 
 
 @pytest.mark.parametrize("form, zp", [("dev", False), ("zp", True)])
@@ -221,7 +222,7 @@ def test_the_int4_bars_on_the_composed_development_run(form, zp):
     and Qwen3-30B-A3B M=16, 50 MB, 1.08x, Humming's)."""
     got = decisions(COMPOSE_RUN.format(form), zp=zp, now=False)
     assert len(got) == 32
-    assert all(d[3] < 1.13 for d in got), max(got, key=lambda d: d[3])
+    assert all(d[3] < (1.13 if zp else 1.05) for d in got), max(got, key=lambda d: d[3])
     assert sum(d[3] > 1.05 for d in got) <= (2 if zp else 0), [d for d in got if d[3] > 1.05]
 
 

@@ -324,20 +324,21 @@ HUMMING_PREFILL_ROWS = 64.0
 
 # int8's own bar, in place of the two above for (8, False) up to 64 tokens: against the plugin's int8 kernels as the
 # GEMV bound and the cuda rule run them (070a73f), Humming's int8 was the slower side on 26 of the 31 development
-# points reading at most 200 MB (H100, vLLM 0.34.0, bench/results/h100/2026-12-07-b542b3f-h100-compose-int8.csv: the
+# points reading less than 170 MB (H100, vLLM 0.34.0, bench/results/h100/2026-12-07-b542b3f-h100-compose-int8.csv: the
 # 8 dev models at TP 4, M 4-64, plugin-auto and Humming in the same run): on the small experts (Qwen3-30B-A3B,
-# Qwen1.5-MoE-A2.7B, DeepSeek-V2-Lite; 34-151 MB) the plugin led at every M up to 48, by up to 1.61x
-# (DeepSeek-V2-Lite M=4 30.4 / 48.9 µs; Qwen3-30B-A3B M=8 36.4 / 53.3), and on the large ones at M=4 (Qwen3-235B-A22B
-# 136 MB, 69.3 / 75.9; Phi-3.5-MoE 130 MB, 69.2 / 72.3). Above 200 MB Humming led on 22 of 25 points (Qwen3-235B-A22B
-# M=8, 242 MB, 123.5 / 119.3; Mixtral-8x7B M=64 264 / 148); the three others within 8% (GLM-4.5-Air M=8, 225 MB,
-# 110.5 / 119.3; Mixtral-8x7B M=4, 235 MB, 110.7 / 114.1; Phi-3.5-MoE M=48 even). Per model, each side's time as a
-# line between the two points that bracket the crossing crosses at 181 MB (Phi-3.5-MoE), 209 (Qwen3-235B-A22B), 255
-# (Mixtral-8x7B) and 299 (GLM-4.5-Air): 200 MB, near the lowest. Left over: OLMoE-1B-7B (1.6 MB experts) at M 16-32
-# and 64 (89-102 MB), Humming's by 1-12% (M=64: 75.1 / 67.4). Above 64 tokens (not timed here) the bars above apply
-# again, as they did before. Not timed: int8 at M 1-2 beside Humming (this bar applies there too: M=1's bar is the
-# higher one for int4), the validation set in int8 beside Humming, the H200.
+# Qwen1.5-MoE-A2.7B, DeepSeek-V2-Lite; 32-151 MB) the plugin led at every M up to 48, by up to 1.73x
+# (Qwen1.5-MoE-A2.7B M=4 24.9 / 43.0 µs; DeepSeek-V2-Lite M=4 30.4 / 48.9), and on the large ones at M=4
+# (Qwen3-235B-A22B 136 MB, 69.3 / 75.9; Phi-3.5-MoE 130 MB, 69.2 / 72.3). Above 200 MB (no dev point reads 152-206 MB)
+# Humming led on 22 of 25 points (Qwen3-235B-A22B M=8, 242 MB, 123.5 / 119.3; Mixtral-8x7B M=64 264 / 148); the three
+# others within 8% (GLM-4.5-Air M=8, 225 MB, 110.5 / 119.3; Mixtral-8x7B M=4, 235 MB, 110.7 / 114.1; Phi-3.5-MoE
+# M=48 even). Per model, each side's time as a line in the bytes read between the two points that bracket the
+# crossing: 171 MB (Phi-3.5-MoE), 201 (Qwen3-235B-A22B), 251 (Mixtral-8x7B), 294 (GLM-4.5-Air); the bar is the lowest,
+# as for int4. Left over: OLMoE-1B-7B (1.6 MB experts) at M 16-32 and 64 (89-102 MB), the plugin's where Humming led
+# by 1-12% (M=64: 75.1 / 67.4). Above 64 tokens (not timed here) the bars above apply again, as they did before. Not
+# timed: int8 at M 1-2 beside Humming (this bar applies there too: M=1's bar is the higher one for int4), the
+# validation set in int8 beside Humming, the H200.
 @dataclass(frozen=True)
-class FormBar:
+class BytesBar:
     """A (bits, zero points) form's own bytes bar: Humming takes a batch of at most `up_to_tokens` tokens when it
     reads more than `min_bytes` of experts (base.experts_read), in place of HUMMING_M1_MIN_BYTES / HUMMING_MIN_BYTES."""
 
@@ -345,11 +346,11 @@ class FormBar:
     up_to_tokens: int
 
 
-HUMMING_FORM_BARS = {(8, False): FormBar(min_bytes=200e6, up_to_tokens=64)}  # int8: b542b3f-h100-compose-int8
+HUMMING_FORM_BARS = {(8, False): BytesBar(min_bytes=170e6, up_to_tokens=64)}  # int8: b542b3f-h100-compose-int8
 HUMMING_RULE_SOURCE = (
     "Humming rule (backends/humming.py; H200 dev set 2026-12-05-c410069-dev, validated on -val4; int8 and zero "
     "points: 2026-12-06-eda7a88-h200-int8 / -zp, H100 2026-12-07-d59df80-h100-zp-small; the 35 MB bar: H100 "
-    "d3ec747-h100-gemv-dev against 21a66c2-h100-dev-composed, re-timed b542b3f-h100-compose-dev; int8's 200 MB bar: H100 "
+    "d3ec747-h100-gemv-dev against 21a66c2-h100-dev-composed, re-timed b542b3f-h100-compose-dev; int8's 170 MB bar: H100 "
     "b542b3f-h100-compose-int8, not validated)"
 )
 ENV_COMPOSE = "VLLM_WNA16_PLUS_HUMMING"  # auto (default): compose while memory allows; 1: always; 0: never
@@ -398,8 +399,8 @@ def humming_rule_applies(problem: MoEProblem, device) -> str | None:
 
 def humming_takes(problem: MoEProblem, m: int, device) -> bool:
     """Whether auto runs `m` tokens of this layer on Humming (the rule above): the expert weights a call
-    of m tokens reads (experts_read) above HUMMING_M1_MIN_BYTES (m <= 2) or HUMMING_MIN_BYTES (int8 up to
-    64 tokens: HUMMING_FORM_BARS), or at least HUMMING_PREFILL_ROWS rows per hit expert (prefill)."""
+    of m tokens reads (experts_read) above HUMMING_M1_MIN_BYTES (m <= 2) or HUMMING_MIN_BYTES (for int8 up to
+    64 tokens, HUMMING_FORM_BARS' 170 MB instead), or at least HUMMING_PREFILL_ROWS rows per hit expert (prefill)."""
     if humming_rule_applies(problem, device):
         return False
     if pairs_per_expert(problem, m) >= HUMMING_PREFILL_ROWS:
